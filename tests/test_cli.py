@@ -1,0 +1,79 @@
+"""Bad input is refused early, with what is wrong and what fixes it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from validate import cli
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "validate", *args], capture_output=True, text=True,
+                          timeout=600, check=False)
+
+
+def test_unknown_profile_lists_known_ones() -> None:
+    r = _cli("rehearse", "--profile", "maverick")
+    assert r.returncode == cli.EXIT_INPUT, r.stderr
+    assert "unknown profile 'maverick'" in r.stderr and "maverick-tp8" in r.stderr
+
+
+def test_tp_that_does_not_divide_is_refused_before_any_engine(pair, tmp_path: Path) -> None:
+    r = _cli("rehearse", "--tp", "3", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == cli.EXIT_INPUT, r.stderr
+    assert "8 attention heads are not divisible by tensor parallel size 3" in r.stderr
+    assert not (tmp_path / "run").exists(), "no engine, no run"
+
+
+@pytest.fixture
+def head_without_key(pair, tmp_path: Path) -> Path:
+    head = tmp_path / "head"
+    shutil.copytree(pair.head, head)
+    cfg = json.loads((head / "config.json").read_text())
+    del cfg["yoco_local_kv_layer"]
+    (head / "config.json").write_text(json.dumps(cfg))
+    return head
+
+
+def test_head_missing_a_loader_key_is_refused_naming_it(head_without_key: Path) -> None:
+    r = _cli("rehearse", "--draft", str(head_without_key))
+    assert r.returncode == cli.EXIT_INPUT, r.stderr
+    assert "'yoco_local_kv_layer'" in r.stderr
+    assert "vllm/model_executor/models/llama4_eagle.py" in r.stderr
+
+
+def test_e2e_script_on_its_own_refuses_it_too_and_records_why(pair, head_without_key: Path,
+                                                              tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "pytest", str(cli.E2E_SCRIPT), "-q", "-p",
+                        "no:cacheprovider", "--draft", str(head_without_key), "--run-dir", str(run)],
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 1, r.stdout[-2000:]
+    rec = json.loads((run / "record.json").read_text())
+    assert rec["error"]["type"] == "IncompatibleModel"
+    assert "yoco_local_kv_layer" in rec["error"]["message"]
+    assert list(rec["phases"]) == ["checks"], "no engine was started"
+
+
+def test_vllm_built_for_another_device_names_the_session() -> None:
+    pytest.importorskip("vllm", reason="needs the CPU engine environment (nox -s tests)")
+    from validate.e2e import engines
+
+    with pytest.raises(engines.EnvironmentProblem, match="nox -s validate_tp8") as err:
+        engines.require_vllm("cuda")
+    assert "runs on 'cpu'" in str(err.value)
+
+
+def test_vllm_missing_names_the_session() -> None:
+    code = ("import sys; sys.modules['vllm'] = None\n"  # makes `import vllm` fail as if absent
+            "from validate.e2e import engines\n"
+            "try:\n    engines.require_vllm('cpu')\n"
+            "except engines.EnvironmentProblem as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "vLLM is not importable" in out.stdout and "nox -s rehearse_tp8" in out.stdout

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+
+from validate.record import RunRecord
+
+
+def test_passed_run_writes_three_files(tmp_path: Path) -> None:
+    rec = RunRecord.create(tmp_path, profile={"name": "tiny"}, name="tiny-tp8")
+    with rec.phase("reference_engine_start"):
+        pass
+    rec.finish(passed=True, reasons=["exact match 100/100", "acceptance fine"])
+    data = json.loads((tmp_path / "record.json").read_text())
+    assert data["status"] == "passed" and data["verdict"]["result"] == "PASS"
+    assert data["phases"]["reference_engine_start"]["status"] == "ok"
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert suite.get("failures") == "0" and suite.get("errors") == "0"
+    assert (tmp_path / "summary.md").read_text().startswith("# PASS: tiny-tp8")
+
+
+def test_failure_halfway_leaves_a_complete_record(tmp_path: Path) -> None:
+    rec = RunRecord.create(tmp_path, profile={"name": "tiny"}, name="tiny-tp8")
+    with rec.phase("reference_engine_start"):
+        pass
+    with pytest.raises(RuntimeError), rec.phase("speculative_engine_start"):
+        # what a dead worker looks like from the test's side
+        raise RuntimeError("EngineCore encountered an issue")
+    # before the run is closed, record.json already says where it stopped
+    mid = json.loads((tmp_path / "record.json").read_text())
+    assert mid["phases"]["speculative_engine_start"]["status"] == "failed"
+    rec.fail(RuntimeError("EngineCore encountered an issue"), where="speculative_engine_start")
+    data = json.loads((tmp_path / "record.json").read_text())
+    assert data["status"] == "error" and data["finished_at"]
+    assert data["error"]["where"] == "speculative_engine_start"
+    case = ET.parse(tmp_path / "junit.xml").getroot().find("testcase")
+    assert case is not None and case.find("error") is not None
+    assert "speculative_engine_start | failed" in (tmp_path / "summary.md").read_text()
+
+
+def test_failed_verdict_is_a_junit_failure(tmp_path: Path) -> None:
+    rec = RunRecord.create(tmp_path, profile={"name": "tiny"}, name="tiny-tp8")
+    rec.finish(passed=False, reasons=["exact match ok", "acceptance: 1.00 < 2.00"])
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert suite.get("failures") == "1"
+    assert "acceptance" in suite.find("testcase/failure").get("message")

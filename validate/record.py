@@ -1,0 +1,187 @@
+"""The run folder: ``record.json`` (machine-readable), ``junit.xml`` (for CI), ``summary.md`` (people).
+
+Pure file writing, no vLLM, no network. The record is rewritten atomically after every phase, so a
+run that is killed or fails halfway still leaves a complete, valid record of what ran, what failed
+and why; ``junit.xml`` and ``summary.md`` are written whenever the run ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree as ET
+
+RECORD = "record.json"
+JUNIT = "junit.xml"
+SUMMARY = "summary.md"
+SCHEMA_VERSION = 1
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write via a temp file + rename so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class RunRecord:
+    """One run's folder. Create it first, fill it as the run goes, finish it once."""
+
+    def __init__(self, run_dir: Path, data: dict[str, Any]) -> None:
+        self.dir = Path(run_dir)
+        self.data = data
+
+    @classmethod
+    def create(cls, run_dir: Path, *, profile: dict[str, Any], name: str) -> RunRecord:
+        data = {
+            "schema_version": SCHEMA_VERSION,
+            "name": name,
+            "status": "running",
+            "started_at": _now(),
+            "finished_at": None,
+            "profile": profile,
+            "environment": {},
+            "phases": {},
+            "comparison": None,
+            "acceptance": None,
+            "verdict": None,
+            "error": None,
+        }
+        rec = cls(run_dir, data)
+        rec.save()
+        return rec
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunRecord:
+        return cls(run_dir, json.loads((Path(run_dir) / RECORD).read_text()))
+
+    def save(self) -> None:
+        atomic_write(self.dir / RECORD, json.dumps(self.data, indent=2, default=str) + "\n")
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        self.save()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[dict[str, Any]]:
+        """Time a phase; its entry says ok / failed / interrupted even if the run dies in it."""
+        entry: dict[str, Any] = {"status": "running", "started_at": _now()}
+        self.data["phases"][name] = entry
+        self.save()
+        t0 = time.monotonic()
+        try:
+            yield entry
+        except BaseException as exc:
+            entry["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            raise
+        else:
+            entry["status"] = "ok"
+        finally:
+            entry["seconds"] = round(time.monotonic() - t0, 3)
+            self.save()
+
+    def finish(self, *, passed: bool, reasons: list[str]) -> None:
+        self.data["verdict"] = {"result": "PASS" if passed else "FAIL", "reasons": reasons}
+        self.data["status"] = "passed" if passed else "failed"
+        self._close()
+
+    def fail(self, exc: BaseException, *, where: str = "") -> None:
+        """End the run on an error (not a verdict): what failed, where, and the traceback."""
+        self.data["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
+        self.data["error"] = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "where": where,
+            "traceback": "".join(traceback.format_exception(exc))[-8000:],
+        }
+        self._close()
+
+    def _close(self) -> None:
+        self.data["finished_at"] = _now()
+        self.save()
+        atomic_write(self.dir / JUNIT, junit_xml(self.data))
+        atomic_write(self.dir / SUMMARY, summary_md(self.data))
+
+
+def junit_xml(data: dict[str, Any]) -> str:
+    """One test case per run, named after the profile, with the verdict as its outcome."""
+    seconds = sum(p.get("seconds", 0) for p in data["phases"].values())
+    suite = ET.Element("testsuite", name="llama4-eagle-validation", tests="1",
+                       failures=str(int(data["status"] == "failed")),
+                       errors=str(int(data["status"] in ("error", "interrupted"))),
+                       time=f"{seconds:.3f}", timestamp=data["started_at"])
+    case = ET.SubElement(suite, "testcase", classname="validate.e2e", name=data["name"],
+                         time=f"{seconds:.3f}")
+    if data["status"] == "failed":
+        fail = ET.SubElement(case, "failure", message="; ".join(data["verdict"]["reasons"][:2]))
+        fail.text = "\n".join(data["verdict"]["reasons"])
+    elif data["status"] in ("error", "interrupted"):
+        err = data["error"] or {}
+        node = ET.SubElement(case, "error", type=err.get("type", ""), message=err.get("message", ""))
+        node.text = err.get("traceback", "")
+    out = ET.SubElement(case, "system-out")
+    out.text = summary_md(data)
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def summary_md(data: dict[str, Any]) -> str:
+    """A short page a person reads first: verdict, why, figures, where the time went."""
+    prof = data["profile"]
+    verdict = data.get("verdict") or {}
+    head = verdict.get("result") or data["status"].upper()
+    lines = [f"# {head}: {data['name']}", ""]
+    lines += [f"- {r}" for r in verdict.get("reasons", [])]
+    if data.get("error"):
+        err = data["error"]
+        lines += [f"- run ended with {err['type']} during {err.get('where') or 'the run'}: "
+                  f"{err['message']}"]
+    lines += ["", "## Run", "",
+              f"- profile: `{prof.get('name')}` (TP={prof.get('tensor_parallel_size')}, "
+              f"{prof.get('num_speculative_tokens')} speculative tokens, "
+              f"{prof.get('num_prompts')} prompts x {prof.get('max_tokens')} tokens, "
+              f"device {prof.get('device')})",
+              f"- target: `{prof.get('target')}`", f"- draft: `{prof.get('draft')}`"]
+    env = data.get("environment") or {}
+    for key in ("vllm", "torch", "transformers", "cpu", "gpus"):
+        if key in env:
+            lines.append(f"- {key}: {env[key]}")
+    acc = data.get("acceptance")
+    if acc:
+        per = ", ".join(f"{a}" for a in acc["accepted_per_position"])
+        lines += ["", "## Acceptance", "",
+                  f"- mean acceptance length: {acc['mean_acceptance_length']:.2f}",
+                  f"- drafts: {acc['drafts']}, drafted tokens: {acc['draft_tokens']}, "
+                  f"accepted: {acc['accepted_tokens']} ({acc['acceptance_rate']:.1%})",
+                  f"- accepted per position: {per}"]
+    cmp_ = data.get("comparison")
+    if cmp_:
+        lines += ["", "## Outputs", "", f"- exact match: {cmp_['matches']}/{cmp_['total']}"]
+        for m in cmp_.get("mismatches", [])[:3]:
+            lines += [f"- prompt {m['index']}: reference {m['reference']!r} vs speculative "
+                      f"{m['speculative']!r}"]
+    if data["phases"]:
+        lines += ["", "## Phases", "", "| phase | status | seconds |", "| --- | --- | --- |"]
+        for name, p in data["phases"].items():
+            lines.append(f"| {name} | {p['status']} | {p.get('seconds', '')} |")
+    return "\n".join(lines) + "\n"
