@@ -47,3 +47,12 @@ def test_failed_verdict_is_a_junit_failure(tmp_path: Path) -> None:
     suite = ET.parse(tmp_path / "junit.xml").getroot()
     assert suite.get("failures") == "1"
     assert "acceptance" in suite.find("testcase/failure").get("message")
+
+
+def test_summary_names_the_models_actually_used(tmp_path: Path) -> None:
+    rec = RunRecord.create(tmp_path, profile={"name": "tiny", "target": "generated:target",
+                                              "draft": "generated:head"}, name="tiny-tp8")
+    rec.update(models={"target": "/m/target", "draft": "/m/head"})
+    rec.finish(passed=True, reasons=[])
+    text = (tmp_path / "summary.md").read_text()
+    assert "- target: `/m/target`" in text and "- draft: `/m/head`" in text

@@ -148,6 +148,7 @@ def junit_xml(data: dict[str, Any]) -> str:
 def summary_md(data: dict[str, Any]) -> str:
     """A short page a person reads first: verdict, why, figures, where the time went."""
     prof = data["profile"]
+    models = data.get("models") or {}  # the folders actually used, when options overrode the profile
     verdict = data.get("verdict") or {}
     head = verdict.get("result") or data["status"].upper()
     lines = [f"# {head}: {data['name']}", ""]
@@ -161,7 +162,8 @@ def summary_md(data: dict[str, Any]) -> str:
               f"{prof.get('num_speculative_tokens')} speculative tokens, "
               f"{prof.get('num_prompts')} prompts x {prof.get('max_tokens')} tokens, "
               f"device {prof.get('device')})",
-              f"- target: `{prof.get('target')}`", f"- draft: `{prof.get('draft')}`"]
+              f"- target: `{models.get('target', prof.get('target'))}`",
+              f"- draft: `{models.get('draft', prof.get('draft'))}`"]
     env = data.get("environment") or {}
     for key in ("vllm", "torch", "transformers", "cpu", "gpus"):
         if key in env:
