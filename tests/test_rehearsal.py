@@ -33,6 +33,7 @@ def test_rehearsal_at_tp8_passes_with_the_distilled_head(pair, tmp_path: Path) -
     assert set(rec["phases"]) >= {"reference_engine_start", "reference_generation",
                                   "speculative_engine_start", "speculative_generation"}
     assert rec["environment"]["vllm"] and rec["environment"]["torch"]
+    assert rec["models"]["target_revision"] == f"generated:{pair.manifest['fingerprint']}"
     assert (tmp_path / "run" / "junit.xml").is_file()
     assert (tmp_path / "run" / "summary.md").read_text().startswith("# PASS")
 

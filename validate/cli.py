@@ -4,9 +4,10 @@ Host side: never imports vLLM or torch (an 8-GPU box's host may have neither). T
 launched as a subprocess (the tiny pair's generator, then the end-to-end pytest script) and the
 run folder it fills is read back.
 
-Exit codes: 0 PASS, 1 FAIL (the verdict), 2 bad input (unknown profile, TP size or head config
-vLLM would reject), 3 environment (vLLM missing or the wrong build), 4 the run broke (an engine
-crashed, interrupted); the record says which.
+Exit codes: 0 PASS, 1 FAIL (the verdict), 2 bad input (unknown profile, repository or revision, TP
+size or head config vLLM would reject), 3 environment (vLLM missing or the wrong build), 4 the run
+broke (an engine crashed); fetch: 5 no access to a gated repository, 6 not enough disk, 7 a file
+failed verification, 8 offline and files missing; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.panel import Panel
 
-from validate import compat, profiles
+from validate import compat, hub, profiles
 from validate.record import RunRecord
 
 EXIT_PASS, EXIT_FAIL, EXIT_INPUT, EXIT_ENVIRONMENT, EXIT_BROKEN = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
 E2E_SCRIPT = Path(__file__).parent / "e2e" / "test_llama4_eagle_tp8.py"
 HEADS = {"trained": "generated:head", "random": "generated:random-head"}
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class BadInput(Exception):
@@ -138,6 +140,75 @@ def rehearse(args: argparse.Namespace) -> int:
     return _exit_code(rec)
 
 
+def _repos(args: argparse.Namespace) -> tuple[str, str]:
+    profile = _profile(args)
+    target = args.target_repo or profile.target
+    draft = args.draft_repo or profile.draft
+    if target.startswith(profiles.GENERATED) or draft.startswith(profiles.GENERATED):
+        raise BadInput(f"profile {profile.name} uses the generated tiny pair: nothing to fetch "
+                       "(`nox -s rehearse_tp8` builds it)")
+    return target, draft
+
+
+def fetch(args: argparse.Namespace) -> int:
+    """Download (or, offline, find) the profile's target and head at their pins, and verify them."""
+    target, draft = _repos(args)
+    try:
+        got = hub.fetch([target, draft], lock_path=Path(args.lock_file), cache_dir=args.cache_dir,
+                        local_dir=args.local_dir, offline=args.offline)
+    except hub.FetchError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]: run the same command again; finished files are kept "
+                      "and the partial one resumes")
+        return EXIT_INTERRUPTED
+    by_repo = {g.repo: g for g in got}
+    problems = compat.head_problems(Path(by_repo[draft].path)) + compat.tp_problems(
+        Path(by_repo[target].path), _profile(args).tensor_parallel_size)
+    for g in got:
+        pin = "pinned" if g.pinned else "[bold yellow]UNPINNED (main)[/]"
+        console.print(f"[green]verified[/] {g.repo}@{g.revision} ({pin}): {g.files} files, "
+                      f"{g.bytes / 2**30:.2f} GiB at {g.path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([vars(g) for g in got], indent=2) + "\n")
+    if problems:
+        console.print("[bold red]error:[/] the downloaded models would be refused:\n  - "
+                      + "\n  - ".join(problems))
+        return EXIT_INPUT
+    return EXIT_PASS
+
+
+def lock(args: argparse.Namespace) -> int:
+    """Resolve the profile's repositories at a revision and write their pins to the lock file."""
+    repos = _repos(args)
+    path = Path(args.lock_file)
+    locks = hub.load_lock(path)
+    try:
+        for repo in repos:
+            hub.check_access(repo)
+            locks[repo] = hub.resolve(repo, args.revision)
+            console.print(f"locked {repo}@{locks[repo].revision}: {len(locks[repo].files)} files, "
+                          f"{locks[repo].total_bytes / 2**30:.2f} GiB")
+    except hub.FetchError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return exc.exit_code
+    hub.save_lock(path, locks)
+    console.print(f"wrote {path}")
+    return EXIT_PASS
+
+
+def _add_repo_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default="maverick-tp8", help=f"one of: {', '.join(profiles.names())}")
+    p.add_argument("--target-repo", default=None, help="override the profile's target repository")
+    p.add_argument("--draft-repo", default=None, help="override the profile's EAGLE head repository")
+    p.add_argument("--lock-file", default=str(hub.default_lock_path()),
+                   help="pins: commit and sha256 of every file (default: the kit's lock file)")
+    p.add_argument("--tp", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--num-prompts", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-tokens", type=int, default=None, help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m validate", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -153,6 +224,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-prompts", type=int, default=None)
     r.add_argument("--max-tokens", type=int, default=None)
     r.set_defaults(func=rehearse)
+
+    f = sub.add_parser("fetch", help="download the profile's target and head at their pins, verified")
+    _add_repo_options(f)
+    f.add_argument("--cache-dir", type=Path, default=None, help="Hugging Face cache (default: HF_HOME's)")
+    f.add_argument("--local-dir", type=Path, default=None, help="plain folders instead of the cache")
+    f.add_argument("--offline", action="store_true", help="use only what is on disk; list what is missing")
+    f.add_argument("--json", default=None, help="write what was fetched (paths, commits) to this file")
+    f.set_defaults(func=fetch)
+
+    lk = sub.add_parser("lock", help="pin the profile's repositories (needs the hub)")
+    _add_repo_options(lk)
+    lk.add_argument("--revision", default="main", help="branch, tag or commit to pin (default: main)")
+    lk.set_defaults(func=lock)
     return ap
 
 

@@ -26,8 +26,6 @@ class Profile:
     description: str
     target: str
     draft: str
-    target_revision: str
-    draft_revision: str
     tensor_parallel_size: int
     max_model_len: int
     num_speculative_tokens: int
@@ -53,9 +51,18 @@ class Profile:
         return dataclasses.asdict(self)
 
 
+def _data() -> dict[str, Any]:
+    return tomllib.loads(resources.files("validate.data").joinpath("profiles.toml").read_text())
+
+
 def _table() -> dict[str, dict[str, Any]]:
-    text = resources.files("validate.data").joinpath("profiles.toml").read_text()
-    return tomllib.loads(text)["profiles"]
+    return _data()["profiles"]
+
+
+def fetch_patterns() -> tuple[list[str], list[str]]:
+    """(allow, ignore) patterns of the files a run needs from a model repository."""
+    f = _data()["fetch"]
+    return list(f["allow_patterns"]), list(f["ignore_patterns"])
 
 
 def names() -> list[str]:

@@ -162,8 +162,10 @@ def summary_md(data: dict[str, Any]) -> str:
               f"{prof.get('num_speculative_tokens')} speculative tokens, "
               f"{prof.get('num_prompts')} prompts x {prof.get('max_tokens')} tokens, "
               f"device {prof.get('device')})",
-              f"- target: `{models.get('target', prof.get('target'))}`",
-              f"- draft: `{models.get('draft', prof.get('draft'))}`"]
+              f"- target: `{models.get('target', prof.get('target'))}` "
+              f"(revision {models.get('target_revision') or 'unknown'})",
+              f"- draft: `{models.get('draft', prof.get('draft'))}` "
+              f"(revision {models.get('draft_revision') or 'unknown'})"]
     env = data.get("environment") or {}
     for key in ("vllm", "torch", "transformers", "cpu", "gpus"):
         if key in env:

@@ -22,6 +22,8 @@ Options: --profile (repeatable), --tp, --target, --draft, --run-dir, --num-promp
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +51,21 @@ def _resolve(profile: profiles.Profile, option: str | None, field: str) -> str:
     return value
 
 
+def _revision(model_dir: str) -> str | None:
+    """The commit a model folder holds: from the Hugging Face cache layout (``snapshots/<sha>``),
+    from huggingface_hub's ``--local-dir`` metadata, or the tiny pair's fingerprint."""
+    path = Path(model_dir).resolve()
+    if m := re.search(r"/snapshots/([0-9a-f]{40})(/|$)", str(Path(model_dir).absolute())):
+        return m.group(1)
+    meta = path / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    if meta.is_file():
+        return meta.read_text().splitlines()[0].strip()
+    pair = path.parent / "pair.json"
+    if pair.is_file():
+        return "generated:" + json.loads(pair.read_text())["fingerprint"]
+    return None
+
+
 def _explain(cmp: metrics.Comparison, acc: metrics.Acceptance, verdict: metrics.Verdict) -> str:
     lines = [f"{verdict.word}:", *[f"  {r}" for r in verdict.reasons],
              f"  accepted per position: {acc.accepted_per_position} of {acc.drafts} drafts"]
@@ -72,7 +89,9 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
         with rec.phase("checks"):
             target = _resolve(profile, opt("--target"), "target")
             draft = _resolve(profile, opt("--draft"), "draft")
-            rec.update(models={"target": target, "draft": draft})
+            rec.update(models={"target": target, "draft": draft,
+                               "target_revision": _revision(target),
+                               "draft_revision": _revision(draft)})
             problems = compat.head_problems(Path(draft)) + compat.tp_problems(
                 Path(target), profile.tensor_parallel_size)
             if problems:

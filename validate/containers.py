@@ -1,0 +1,189 @@
+"""Build and run the kit's images through the Docker SDK: one small class owns the engine.
+
+Host side. The image tag is a hash of every build input (Dockerfile, the kit's sources, the
+requirements, build arguments), so an unchanged kit is never rebuilt. Runs mount the model folders
+read-only and the run folder writable, stream the logs, enforce a timeout, and always remove the
+container (Ctrl-C included). The engine side reads weights from disk only, so no Hugging Face token
+ever enters an image or a container: it stays on the host, where fetching happens.
+
+docker-py speaks to the engine's API (no BuildKit: the legacy builder's events are streamed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import tomllib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTAINERS = ROOT / "containers"
+PINS = CONTAINERS / "pins.toml"
+KIT_FILES = ["pyproject.toml", "README.md", "requirements", "validate"]
+IMAGE_REPO = "llama4-eagle-validate"
+
+
+class ContainerError(RuntimeError):
+    pass
+
+
+def pins() -> dict[str, dict[str, str]]:
+    return tomllib.loads(PINS.read_text())
+
+
+def base_reference(kind: str, override: str | None = None) -> tuple[str, bool]:
+    """(image reference to build FROM, pinned?). Never invents a digest."""
+    if override:
+        return override, "@sha256:" in override
+    pin = pins()[kind]
+    if pin.get("digest"):
+        return f"{pin['base'].split(':')[0]}@{pin['digest']}", True
+    return pin["base"], False
+
+
+def _files(paths: list[Path]) -> Iterator[Path]:
+    for p in paths:
+        if p.is_dir():
+            yield from sorted(f for f in p.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+        elif p.is_file():
+            yield p
+
+
+def input_hash(kind: str, buildargs: dict[str, str], extra: list[Path]) -> str:
+    """Hash of everything that goes into the image: an unchanged kit maps to the same tag."""
+    h = hashlib.sha256()
+    for k in sorted(buildargs):
+        h.update(f"{k}={buildargs[k]}\n".encode())
+    for f in _files([CONTAINERS / kind, *(ROOT / n for n in KIT_FILES), *extra]):
+        h.update(str(f.relative_to(f.anchor)).encode() if f.is_absolute() and not f.is_relative_to(ROOT)
+                 else str(f.relative_to(ROOT)).encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class RunResult:
+    exit_code: int | None  # None: timed out
+    image: str
+    image_id: str
+
+
+class Engine:
+    """The Docker engine: facts for preflight, builds, runs."""
+
+    def __init__(self, base_url: str | None = None) -> None:
+        import docker
+
+        try:
+            self.client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
+            self.client.ping()
+        except Exception as exc:  # docker.errors.DockerException, connection errors
+            where = base_url or os.environ.get("DOCKER_HOST") or "the default socket"
+            raise ContainerError(f"no Docker engine at {where}: {exc}") from exc
+
+    def info(self) -> dict[str, Any]:
+        return self.client.info()
+
+    def image_exists(self, tag: str) -> bool:
+        import docker
+
+        try:
+            self.client.images.get(tag)
+            return True
+        except docker.errors.ImageNotFound:
+            return False
+
+    def build(self, kind: str, *, base: str, labels: dict[str, str], ca_bundle: Path | None = None,
+              wheelhouse: Path | None = None, network: str | None = None,
+              log: Callable[[str], None] = print) -> str:
+        """Build ``containers/<kind>/Dockerfile`` on ``base``; return the tag. Skipped (a few ms) when
+        an image with the same input hash exists."""
+        buildargs = {"BASE_IMAGE": base, **{k.upper(): v for k, v in labels.items()}}
+        extra = [p for p in (ca_bundle, wheelhouse) if p]
+        tag = f"{IMAGE_REPO}/{kind}:{input_hash(kind, buildargs, extra)}"
+        if self.image_exists(tag):
+            log(f"image {tag} is up to date (inputs unchanged): not rebuilt")
+            return tag
+        with self._context(kind, ca_bundle, wheelhouse) as ctx:
+            log(f"building {tag} from {base} (context {ctx})")
+            stream = self.client.api.build(path=str(ctx), dockerfile=f"containers/{kind}/Dockerfile",
+                                           tag=tag, buildargs=buildargs, rm=True, forcerm=True,
+                                           network_mode=network, decode=True)
+            for event in stream:
+                if "stream" in event and event["stream"].strip():
+                    log(event["stream"].rstrip())
+                if "error" in event:
+                    raise ContainerError(f"building {tag} failed: {event['error'].strip()}")
+        return tag
+
+    @contextmanager
+    def _context(self, kind: str, ca_bundle: Path | None, wheelhouse: Path | None) -> Iterator[Path]:
+        """A minimal build context: the kit, the Dockerfile, optional CA bundle and wheelhouse."""
+        ctx = Path(tempfile.mkdtemp(prefix="kit-build-"))
+        try:
+            for name in KIT_FILES:
+                src = ROOT / name
+                if src.is_dir():
+                    shutil.copytree(src, ctx / name, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy2(src, ctx / name)
+            shutil.copytree(CONTAINERS / kind, ctx / "containers" / kind)
+            (ctx / "build-extras" / "wheelhouse").mkdir(parents=True)
+            (ctx / "build-extras" / "ca").mkdir(parents=True)
+            if ca_bundle:
+                shutil.copy2(ca_bundle, ctx / "build-extras" / "ca" / "ca-bundle.crt")
+            if wheelhouse:
+                for whl in Path(wheelhouse).glob("*.whl"):
+                    shutil.copy2(whl, ctx / "build-extras" / "wheelhouse" / whl.name)
+            yield ctx
+        finally:
+            shutil.rmtree(ctx, ignore_errors=True)
+
+    def run(self, tag: str, command: list[str], *, mounts: dict[str, tuple[str, str]],
+            environment: dict[str, str], gpus: int = 0, timeout_s: float = 7200,
+            network: str = "none", log: Callable[[str], None] = print) -> RunResult:
+        """Run ``command`` in ``tag``; stream its logs; remove the container whatever happens."""
+        import docker
+        from docker.types import DeviceRequest, Ulimit
+
+        kwargs: dict[str, Any] = dict(
+            command=command, detach=True, environment=environment, network_mode=network,
+            volumes={host: {"bind": dst, "mode": mode} for host, (dst, mode) in mounts.items()},
+            ipc_mode="host",  # NCCL / vLLM's TP workers share memory through /dev/shm
+            ulimits=[Ulimit(name="memlock", soft=-1, hard=-1),
+                     Ulimit(name="stack", soft=67108864, hard=67108864)],
+        )
+        if gpus:
+            kwargs["device_requests"] = [DeviceRequest(count=gpus, capabilities=[["gpu"]])]
+        container = self.client.containers.run(tag, **kwargs)
+        try:
+            import threading
+
+            def pump() -> None:
+                for chunk in container.logs(stream=True, follow=True):
+                    log(chunk.decode(errors="replace").rstrip("\n"))
+
+            t = threading.Thread(target=pump, daemon=True)
+            t.start()
+            try:
+                status = container.wait(timeout=timeout_s)
+                code: int | None = int(status.get("StatusCode", -1))
+            except Exception as exc:  # requests' ReadTimeout when the run outlives timeout_s
+                if "timed out" not in str(exc).lower() and "timeout" not in type(exc).__name__.lower():
+                    raise
+                log(f"container ran past {timeout_s:.0f}s: stopping it")
+                container.kill()
+                code = None
+            t.join(timeout=10)
+            return RunResult(code, tag, container.image.id)
+        finally:
+            try:
+                container.remove(force=True)
+            except docker.errors.NotFound:
+                pass
