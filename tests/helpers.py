@@ -1,0 +1,17 @@
+"""Helpers shared by the tests (not fixtures)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def rehearse(run: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[int, dict, str]:
+    """`python -m validate rehearse --tp 8 ...` as a user runs it: (exit code, record, output)."""
+    r = subprocess.run([sys.executable, "-m", "validate", "rehearse", "--tp", "8",
+                        "--run-dir", str(run), *extra], capture_output=True, text=True,
+                       timeout=3600, check=False, env=env)
+    assert (run / "record.json").is_file(), (r.stdout + r.stderr)[-4000:]
+    return r.returncode, json.loads((run / "record.json").read_text()), r.stdout + r.stderr
