@@ -126,16 +126,23 @@ class Engine:
               log: Callable[[str], None] = print) -> str:
         """Build ``containers/<kind>/Dockerfile`` on ``base``; return the tag. Skipped (a few ms) when
         an image with the same input hash exists."""
-        buildargs = {"BASE_IMAGE": base, **{k.upper(): v for k, v in labels.items()}}
+        buildargs = {"BASE_IMAGE": base}
+        oci = {"org.opencontainers.image.title": f"{IMAGE_REPO}-{kind}",
+               "org.opencontainers.image.version": labels.get("kit_version", "unknown"),
+               "org.opencontainers.image.revision": labels.get("git_commit", "unknown"),
+               "org.opencontainers.image.base.name": base,
+               "org.opencontainers.image.base.digest": labels.get("base_digest", "unpinned"),
+               "io.vllm.version": labels.get("vllm_version", "unknown")}
         extra = [p for p in (ca_bundle, wheelhouse) if p]
-        tag = f"{IMAGE_REPO}/{kind}:{input_hash(kind, buildargs, extra)}"
+        tag = f"{IMAGE_REPO}/{kind}:{input_hash(kind, {**buildargs, **oci}, extra)}"
         if self.image_exists(tag):
             log(f"image {tag} is up to date (inputs unchanged): not rebuilt")
             return tag
         with self._context(kind, ca_bundle, wheelhouse) as ctx:
             log(f"building {tag} from {base} (context {ctx})")
             stream = self.client.api.build(path=str(ctx), dockerfile=f"containers/{kind}/Dockerfile",
-                                           tag=tag, buildargs=buildargs, rm=True, forcerm=True,
+                                           tag=tag, buildargs=buildargs, labels=oci, rm=True,
+                                           forcerm=True,
                                            network_mode=network, decode=True)
             for event in stream:
                 if "stream" in event and event["stream"].strip():
