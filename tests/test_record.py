@@ -13,13 +13,15 @@ def test_passed_run_writes_three_files(tmp_path: Path) -> None:
     rec = RunRecord.create(tmp_path, profile={"name": "tiny"}, name="tiny-tp8")
     with rec.phase("reference_engine_start"):
         pass
-    rec.finish(passed=True, reasons=["exact match 100/100", "acceptance fine"])
+    rec.finish(passed=True, reasons=["outputs: 100/100 identical", "acceptance fine"],
+               calibration="calibrated")
     data = json.loads((tmp_path / "record.json").read_text())
     assert data["status"] == "passed" and data["verdict"]["result"] == "PASS"
     assert data["phases"]["reference_engine_start"]["status"] == "ok"
     suite = ET.parse(tmp_path / "junit.xml").getroot()
     assert suite.get("failures") == "0" and suite.get("errors") == "0"
-    assert (tmp_path / "summary.md").read_text().startswith("# PASS: tiny-tp8")
+    assert data["verdict"]["calibration"] == "calibrated"
+    assert (tmp_path / "summary.md").read_text().startswith("# PASS (calibrated): tiny-tp8")
 
 
 def test_failure_halfway_leaves_a_complete_record(tmp_path: Path) -> None:

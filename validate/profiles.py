@@ -35,7 +35,8 @@ class Profile:
     dtype: str
     enforce_eager: bool
     device: str
-    min_exact_match: float
+    near_tie_delta: float
+    top_logprobs: int
     min_mean_acceptance_length: float
 
     @property
@@ -63,6 +64,11 @@ def fetch_patterns() -> tuple[list[str], list[str]]:
     """(allow, ignore) patterns of the files a run needs from a model repository."""
     f = _data()["fetch"]
     return list(f["allow_patterns"]), list(f["ignore_patterns"])
+
+
+def calibration_sigmas() -> float:
+    """How many combined standard deviations below a golden's mean a run may fall."""
+    return float(_data()["calibration"]["sigmas"])
 
 
 def names() -> list[str]:

@@ -37,6 +37,9 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        # mkstemp makes the file private; run folders and goldens are meant to be read by others
+        # (a container's user, a CI artifact uploader).
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -101,8 +104,9 @@ class RunRecord:
             entry["seconds"] = round(time.monotonic() - t0, 3)
             self.save()
 
-    def finish(self, *, passed: bool, reasons: list[str]) -> None:
-        self.data["verdict"] = {"result": "PASS" if passed else "FAIL", "reasons": reasons}
+    def finish(self, *, passed: bool, reasons: list[str], calibration: str = "uncalibrated") -> None:
+        self.data["verdict"] = {"result": "PASS" if passed else "FAIL", "calibration": calibration,
+                                "reasons": reasons}
         self.data["status"] = "passed" if passed else "failed"
         self._close()
 
@@ -157,6 +161,8 @@ def summary_md(data: dict[str, Any]) -> str:
     models = data.get("models") or {}  # the folders actually used, when options overrode the profile
     verdict = data.get("verdict") or {}
     head = verdict.get("result") or data["status"].upper()
+    if verdict.get("calibration"):
+        head += f" ({verdict['calibration']})"
     lines = [f"# {head}: {data['name']}", ""]
     lines += [f"- {r}" for r in verdict.get("reasons", [])]
     if data.get("error"):
@@ -186,10 +192,21 @@ def summary_md(data: dict[str, Any]) -> str:
                   f"- accepted per position: {per}"]
     cmp_ = data.get("comparison")
     if cmp_:
-        lines += ["", "## Outputs", "", f"- exact match: {cmp_['matches']}/{cmp_['total']}"]
-        for m in cmp_.get("mismatches", [])[:3]:
-            lines += [f"- prompt {m['index']}: reference {m['reference']!r} vs speculative "
-                      f"{m['speculative']!r}"]
+        ref = (data.get("reference") or {}).get("kind", "live")
+        lines += ["", "## Outputs", "",
+                  f"- reference: {'the golden' if ref == 'golden' else 'a reference engine'}",
+                  f"- identical to the reference: {cmp_['matches']}/{cmp_['total']} (the seed's "
+                  f"exact-match figure); near-ties: {cmp_.get('near_ties', 0)}, hard divergences: "
+                  f"{cmp_.get('hard', 0)} (delta {cmp_.get('delta')} nats)"]
+        divs = cmp_.get("divergences", [])
+        if divs:
+            lines += ["", "| prompt | token | reference | speculative | gap (nats) | class |",
+                      "| --- | --- | --- | --- | --- | --- |"]
+            for d in divs:
+                gap = "" if d["gap"] is None else (">" if d["gap_is_lower_bound"] else "") + \
+                    f"{d['gap']:.3f}"
+                lines.append(f"| {d['index']} | {d['position']} | {d['reference_token']} | "
+                             f"{d['speculative_token']} | {gap} | {d['kind']} |")
     if data["phases"]:
         lines += ["", "## Phases", "", "| phase | status | seconds |", "| --- | --- | --- |"]
         for name, p in data["phases"].items():
