@@ -253,10 +253,29 @@ def build_target(cfg: dict[str, Any], tokenizer: Any) -> Any:
     from transformers import Llama4ForCausalLM
 
     model = Llama4ForCausalLM(target_config(cfg, tokenizer))
+    gain = cfg["target"].get("layer_output_gain", 1.0)
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
         emb.normal_(0.0, cfg["target"]["embedding_std"])
+        # Layers that write more into the residual stream make the final hidden state (the
+        # feature the head receives) carry context the head cannot rebuild from tokens alone.
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                param.mul_(gain)
     return model.eval()
+
+
+def spread_norms(head: EagleHead, log_std: float, gen: torch.Generator) -> None:
+    """Give every RMSNorm of the head a non-uniform weight before training.
+
+    A norm left at unit weight is invisible (argmax is scale-invariant), so a vLLM that failed to
+    load it would pass; with spread weights that the rest of the head is trained around, a norm
+    at its initial value of ones costs acceptance.
+    """
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if name.endswith(("layernorm.weight", "norm.weight")):
+                param.copy_(torch.exp(torch.randn(param.shape, generator=gen) * log_std))
 
 
 # --------------------------------------------------------------------------------------------
@@ -482,6 +501,7 @@ def generate(out: Path, *, eval_prompts: int = 100, eval_tokens: int = 32, k: in
         t = time.monotonic()
         hcfg = head_config(cfg, target.config)
         random_head = EagleHead(hcfg).eval()
+        spread_norms(random_head, cfg["head"].get("norm_weight_log_std", 0.0), gen)
         head = copy.deepcopy(random_head)
         losses = train_head(head, target, seqs, feats, cfg, gen)
         timings["head_training_s"] = time.monotonic() - t
