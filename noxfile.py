@@ -44,6 +44,26 @@ def rehearse_tp8(session: nox.Session) -> None:
 
 
 @nox.session
+def calibrate(session: nox.Session) -> None:
+    """Run a profile N times and write its golden to validate/data/goldens/ (default: tiny, 5 runs).
+
+    `nox -s calibrate -- --profile tiny --tp 1 --runs 5`; commit the golden file it names.
+    """
+    install_cpu_engine(session)
+    session.run("python", "-m", "validate", "calibrate", *session.posargs)
+
+
+@nox.session
+def ablations(session: nox.Session) -> None:
+    """How much each part of the tiny pair's head matters, in the generator's replay (prints a table).
+
+    `nox -s ablations -- --golden validate/data/goldens/<file>` marks the drops below 3 x its tolerance.
+    """
+    install_cpu_engine(session)
+    session.run("python", "-m", "validate.ablations", *session.posargs)
+
+
+@nox.session
 def validate_tp8(session: nox.Session) -> None:
     """The real run on 8 GPUs: preflight, pinned weights, pinned CUDA image, end-to-end, verdict.
 

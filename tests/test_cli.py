@@ -77,3 +77,25 @@ def test_vllm_missing_names_the_session() -> None:
             "except engines.EnvironmentProblem as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "vLLM is not importable" in out.stdout and "nox -s rehearse_tp8" in out.stdout
+
+
+def test_corrupt_golden_is_refused_before_any_engine(pair, tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="needs the CPU engine environment (nox -s tests)")
+    golden = tmp_path / "tiny-cpu-x-tp8.json"
+    golden.write_text('{"schema": 1, "profile": "tiny"')
+    r = _cli("rehearse", "--golden", str(golden), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == cli.EXIT_INPUT, r.stderr[-2000:]
+    rec = json.loads((tmp_path / "run" / "record.json").read_text())
+    assert rec["error"]["type"] == "BadGolden" and str(golden) in rec["error"]["message"]
+    assert "nox -s calibrate -- --profile tiny --tp 8" in rec["error"]["message"]
+    assert list(rec["phases"]) == ["checks"], "no engine was started"
+
+
+def test_reference_golden_without_a_golden_is_refused(pair, tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="needs the CPU engine environment (nox -s tests)")
+    r = _cli("rehearse", "--golden", "none", "--reference", "golden", "--run-dir",
+             str(tmp_path / "run"))
+    assert r.returncode == cli.EXIT_INPUT, r.stderr[-2000:]
+    rec = json.loads((tmp_path / "run" / "record.json").read_text())
+    assert "--reference golden needs a golden" in rec["error"]["message"]
+    assert list(rec["phases"]) == ["checks"]

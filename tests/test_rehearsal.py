@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,29 +11,82 @@ from helpers import rehearse
 from validate import cli
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
+PERTURBATIONS = Path(__file__).parent / "perturbations"
 
 
 def test_rehearsal_at_tp8_passes_with_the_distilled_head(pair, host_rehearsal_tp8) -> None:
     code, rec = host_rehearsal_tp8
     assert code == cli.EXIT_PASS, rec.get("verdict") or rec.get("error")
     assert rec["verdict"]["result"] == "PASS"
+    assert rec["verdict"]["calibration"] in ("calibrated", "uncalibrated")
+    assert rec["golden"]["why"], "the record says which golden applied, or why none did"
     assert rec["profile"]["tensor_parallel_size"] == 8
-    assert rec["comparison"]["ratio"] >= 0.95
+    cmp = rec["comparison"]
+    assert cmp["hard"] == 0 and cmp["near_ties"] == len(cmp["divergences"]) == 100 - cmp["matches"]
+    for d in cmp["divergences"]:  # every divergence is listed with both tokens and its gap
+        assert d["kind"] == "near-tie" and d["gap"] <= cmp["delta"], d
+        assert d["reference_token"] != d["speculative_token"]
+    assert cmp["logprob_noise"]["positions"] > 1000, "both engines reported logprobs"
     assert rec["acceptance"]["mean_acceptance_length"] >= 2.0
+    assert len(rec["reference_outputs"]) == 100 and rec["reference_outputs"][0]["top"]
     assert set(rec["phases"]) >= {"reference_engine_start", "reference_generation",
                                   "speculative_engine_start", "speculative_generation"}
     assert rec["environment"]["vllm"] and rec["environment"]["torch"]
+    assert rec["environment"]["device_class"].startswith("cpu-")
     assert rec["models"]["target_revision"] == f"generated:{pair.manifest['fingerprint']}"
+    assert len(rec["models"]["target_weights"]) == 16
     run = Path(rec["invocation"]["argv"].split("--run-dir ")[1].split()[0])
     assert (run / "junit.xml").is_file() and (run / "REPRODUCE.md").is_file()
-    assert (run / "summary.md").read_text().startswith("# PASS")
+    assert (run / "summary.md").read_text().startswith("# PASS (")
 
 
 def test_random_head_matches_but_fails_on_acceptance(pair, tmp_path: Path) -> None:
     """The seed's exact-match check alone would pass this head; the kit's verdict must not."""
     code, rec, _ = rehearse(tmp_path / "run", "--head", "random")
-    assert rec["comparison"]["ratio"] >= 0.95, "greedy speculative decoding stays lossless"
+    assert rec["comparison"]["hard"] == 0, "greedy speculative decoding stays lossless"
     assert code == cli.EXIT_FAIL, rec.get("verdict") or rec.get("error")
     assert rec["verdict"]["result"] == "FAIL"
     assert any("acceptance is too low" in r for r in rec["verdict"]["reasons"]), rec["verdict"]
+
+
+def test_noise_on_the_targets_logits_in_verification_is_a_hard_divergence(pair,
+                                                                          tmp_path: Path) -> None:
+    """A deliberate bug (tests/perturbations/sitecustomize.py): the speculative path verifies
+    drafts against the target's logits plus noise. The reference engine is untouched, so its
+    logprobs show the speculative tokens are not near-ties: hard divergences, FAIL."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(PERTURBATIONS), os.environ.get("PYTHONPATH", "")]), "KIT_PERTURB_LOGIT_NOISE": "2.0"}
+    code, rec, out = rehearse(tmp_path / "run", "--tp", "1", "--num-prompts", "20", env=env)
+    assert code == cli.EXIT_FAIL, (rec.get("verdict") or rec.get("error"), out[-2000:])
+    cmp = rec["comparison"]
+    assert cmp["hard"] >= 3, cmp
+    for d in cmp["divergences"]:  # hard: beyond delta, or outside the reference's top-k
+        assert d["kind"] == "hard" and (d["gap"] is None or d["gap_is_lower_bound"]
+                                        or d["gap"] > cmp["delta"]), d
+    assert any(r.startswith("hard divergence") for r in rec["verdict"]["reasons"])
+
+
+def test_calibrate_then_judge_by_the_golden_without_a_reference_engine(pair, tmp_path: Path) -> None:
+    """`calibrate` writes a golden from real runs; `--reference golden` then starts only the
+    speculative engine and the verdict is calibrated against it (small: TP=1, 10 prompts)."""
+    import json
+    import subprocess
+    import sys
+
+    golden = tmp_path / "golden.json"
+    small = ["--tp", "1", "--num-prompts", "10"]
+    r = subprocess.run([sys.executable, "-m", "validate", "calibrate", *small, "--runs", "1",
+                        "--out", str(golden), "--run-dir", str(tmp_path / "cal")],
+                       capture_output=True, text=True, timeout=1800, check=False)
+    assert r.returncode == cli.EXIT_PASS, r.stderr[-3000:]
+    g = json.loads(golden.read_text())
+    assert g["runs"] == 1 and g["tensor_parallel_size"] == 1 and len(g["reference"]) == 10
+    assert g["acceptance"]["mean_acceptance_length"]["tolerance"] > 0
+
+    code, rec, out = rehearse(tmp_path / "run", *small, "--golden", str(golden),
+                              "--reference", "golden")
+    assert code == cli.EXIT_PASS, (rec.get("verdict") or rec.get("error"), out[-2000:])
+    assert rec["verdict"]["calibration"] == "calibrated" and rec["golden"]["applied"]
+    assert rec["reference"]["kind"] == "golden"
+    assert "reference_engine_start" not in rec["phases"], "one target load per verdict"
+    assert any(r.startswith("acceptance: mean acceptance length") for r in rec["verdict"]["reasons"])

@@ -95,7 +95,7 @@ def _exit_code(rec: RunRecord) -> int:
     if status == "failed":
         return EXIT_FAIL
     err = (rec.data.get("error") or {}).get("type", "")
-    if err == "IncompatibleModel":
+    if err in ("IncompatibleModel", "BadGolden"):
         return EXIT_INPUT
     if err == "EnvironmentProblem":
         return EXIT_ENVIRONMENT
@@ -107,6 +107,8 @@ def _report(rec: RunRecord, run_dir: Path) -> None:
     verdict = data.get("verdict") or {}
     word = verdict.get("result") or data["status"].upper()
     style = "green" if word == "PASS" else "red"
+    if verdict.get("calibration"):
+        word += f" ({verdict['calibration']})"
     body = [*verdict.get("reasons", [])]
     if data.get("error"):
         body.append(f"{data['error']['type']}: {data['error']['message']}")
@@ -115,7 +117,7 @@ def _report(rec: RunRecord, run_dir: Path) -> None:
         body.append("phases: " + ", ".join(f"{k} {v.get('seconds', '?')}s" for k, v in phases.items()))
     body.append(f"record: {run_dir}/record.json, summary: {run_dir}/summary.md")
     console.print(Panel("\n".join(body), title=f"[bold {style}]{word}[/] {data['name']}",
-                        border_style=style))
+                        border_style=style), soft_wrap=False)
 
 
 def _run_dir(args: argparse.Namespace, profile: profiles.Profile) -> Path:
@@ -125,15 +127,19 @@ def _run_dir(args: argparse.Namespace, profile: profiles.Profile) -> Path:
     return Path(args.run_dir or default).absolute()
 
 
-def _e2e_args(profile: profiles.Profile, target: str, draft: str, run_dir: str) -> list[str]:
+def _e2e_args(profile: profiles.Profile, target: str, draft: str, run_dir: str,
+              args: argparse.Namespace) -> list[str]:
     """Options of the end-to-end script (``python -m validate.e2e``), the same on host and in images."""
     return ["--profile", profile.name, "--tp", str(profile.tensor_parallel_size), "--target", target,
             "--draft", draft, "--run-dir", run_dir, "--num-prompts", str(profile.num_prompts),
-            "--max-tokens", str(profile.max_tokens)]
+            "--max-tokens", str(profile.max_tokens), "--golden", args.golden,
+            "--reference", args.reference]
 
 
-def _on_host(profile: profiles.Profile, target: str, draft: str, run_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "validate.e2e", *_e2e_args(profile, target, draft, str(run_dir))]
+def _on_host(profile: profiles.Profile, target: str, draft: str, run_dir: Path,
+             args: argparse.Namespace) -> None:
+    cmd = [sys.executable, "-m", "validate.e2e",
+           *_e2e_args(profile, target, draft, str(run_dir), args)]
     try:
         subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
     except KeyboardInterrupt:
@@ -179,7 +185,7 @@ def _in_container(args: argparse.Namespace, profile: profiles.Profile, target: s
             inside[role] = f"/models/{role}"
             mounts[str(Path(path).resolve())] = (inside[role], "ro")
     cmd = ["python3", "-m", "validate.e2e",
-           *_e2e_args(profile, inside["target"], inside["draft"], "/run-record")]
+           *_e2e_args(profile, inside["target"], inside["draft"], "/run-record", args)]
     env = {"VALIDATE_CACHE": "/cache", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     try:
         result = engine.run(tag, cmd, mounts=mounts, environment=env,
@@ -238,8 +244,47 @@ def rehearse(args: argparse.Namespace) -> int:
     else:
         target, draft = _model_dirs(profile, args)
         _check(profile, target, draft)
-        _on_host(profile, target, draft, run_dir)
+        _on_host(profile, target, draft, run_dir, args)
     return _finish(run_dir)
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    """Run the profile ``--runs`` times (judged by floors only) and write its golden."""
+    from validate import goldens
+
+    profile = _profile(args)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    base = Path(args.run_dir or Path("runs") / f"calibrate-{profile.name}-"
+                f"tp{profile.tensor_parallel_size}-{stamp}").absolute()
+    run = rehearse if profile.generated else validate
+    records = []
+    for i in range(1, args.runs + 1):
+        console.print(f"[bold]calibration run {i} of {args.runs}[/]")
+        ns = argparse.Namespace(**{**vars(args), "run_dir": str(base / f"run-{i}"), "golden": "none",
+                                   "reference": "live"})
+        code = run(ns)
+        rec = RunRecord.load(base / f"run-{i}").data
+        if code not in (EXIT_PASS, EXIT_FAIL):
+            console.print(f"[bold red]error:[/] calibration run {i} ended with exit {code}; "
+                          "no golden written")
+            return code
+        records.append(rec)
+    try:
+        golden = goldens.make(records, sigmas=profiles.calibration_sigmas())
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] no golden written: {exc}")
+        return EXIT_FAIL
+    out = Path(args.out) if args.out else goldens.DIR / goldens.filename(
+        profile.name, golden["device_class"], profile.tensor_parallel_size)
+    goldens.write(out, golden)
+    mal = golden["acceptance"]["mean_acceptance_length"]
+    console.print(f"[green]golden written[/] {out}: mean acceptance length {mal['mean']:.3f} "
+                  f"(sd over runs {mal['sd_runs']:.4f}, standard error {mal['standard_error']:.4f}, "
+                  f"tolerance {mal['tolerance']:.3f}); per position " + ", ".join(
+                      f"{p['mean']:.3f}-{p['tolerance']:.3f}"
+                      for p in golden["acceptance"]["per_position_rate"])
+                  + f"; divergence gaps {golden['divergence_gaps']}")
+    return EXIT_PASS
 
 
 def _facts(profile: profiles.Profile, container: bool) -> preflight.HostFacts:
@@ -306,7 +351,7 @@ def validate(args: argparse.Namespace) -> int:
     if container:
         _in_container(args, profile, target, draft, run_dir)
     else:
-        _on_host(profile, target, draft, run_dir)
+        _on_host(profile, target, draft, run_dir, args)
     return _finish(run_dir)
 
 
@@ -387,6 +432,16 @@ def refresh_pins(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def _add_verdict_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("verdict")
+    g.add_argument("--golden", default="auto",
+                   help="auto: the calibrated golden for this profile, device class and TP "
+                        "(validate/data/goldens/); none: the profile's floors; or a golden file")
+    g.add_argument("--reference", choices=("live", "golden"), default="live",
+                   help="golden: take the reference outputs from the golden and start only the "
+                        "speculative engine (about half the time; needs a golden that applies)")
+
+
 def _add_image_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("image")
     g.add_argument("--base-image", default=None,
@@ -415,8 +470,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-tokens", type=int, default=None)
     r.add_argument("--container", action="store_true",
                    help="run inside the CPU image (built through the Docker SDK) instead of here")
+    _add_verdict_options(r)
     _add_image_options(r)
     r.set_defaults(func=rehearse)
+
+    c = sub.add_parser("calibrate", help="run a profile N times and write its golden")
+    c.add_argument("--profile", default="tiny", help=f"one of: {', '.join(profiles.names())}")
+    c.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: profile's)")
+    c.add_argument("--runs", type=int, default=5, help="number of runs (default: 5)")
+    c.add_argument("--out", default=None, help="golden file (default: validate/data/goldens/...)")
+    c.add_argument("--run-dir", default=None, help="folder for the runs' records")
+    c.add_argument("--num-prompts", type=int, default=None)
+    c.add_argument("--max-tokens", type=int, default=None)
+    c.add_argument("--no-container", action="store_true",
+                   help="hub profiles: run on this host instead of the pinned image")
+    _add_image_options(c)
+    c.set_defaults(func=calibrate, head=None, target=None, draft=None, container=False,
+                   lock_file=str(hub.default_lock_path()), cache_dir=None, local_dir=None,
+                   offline=False)
 
     v = sub.add_parser("validate", help="the real run: preflight, fetch, image, end-to-end, verdict")
     v.add_argument("--profile", default="maverick-tp8", help=f"one of: {', '.join(profiles.names())}")
@@ -430,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--offline", action="store_true", help="use only weights already on disk")
     v.add_argument("--num-prompts", type=int, default=None)
     v.add_argument("--max-tokens", type=int, default=None)
+    _add_verdict_options(v)
     _add_image_options(v)
     v.set_defaults(func=validate, head=None)
 

@@ -18,6 +18,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="folder for record.json / junit.xml / summary.md (default: runs/<name>-<time>)")
     g.addoption("--num-prompts", type=int, default=None, help="override the profile's prompt count")
     g.addoption("--max-tokens", type=int, default=None, help="override the profile's max_tokens")
+    g.addoption("--golden", default="auto",
+                help="auto (validate/data/goldens/ for this profile, device class and TP), none "
+                     "(judge by the profile's floors), or a golden file")
+    g.addoption("--reference", choices=("live", "golden"), default="live",
+                help="live: run a reference engine; golden: take the golden's reference outputs "
+                     "and start only the speculative engine (needs a golden that applies)")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

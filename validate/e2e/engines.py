@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from validate.metrics import Output
 from validate.profiles import Profile
 
 INSTALL_HINT = (
@@ -83,7 +84,7 @@ def prepare_process_env(profile: Profile) -> dict[str, str]:
     return changes
 
 
-def environment() -> dict[str, Any]:
+def environment(device: str) -> dict[str, Any]:
     """Versions and hardware, for the record."""
     env: dict[str, Any] = {
         "python": platform.python_version(),
@@ -93,6 +94,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "device_class": device_class(device),
     }
     try:
         import torch
@@ -110,6 +112,32 @@ def environment() -> dict[str, Any]:
     return env
 
 
+# CPU instruction sets that change bf16 results (oneDNN picks its kernels by them), best first.
+CPU_CLASSES = (("amx_bf16", "cpu-amx"), ("avx512_bf16", "cpu-avx512bf16"), ("avx512f", "cpu-avx512"),
+               ("avx2", "cpu-avx2"))
+
+
+def device_class(device: str) -> str:
+    """The hardware class a golden is keyed by: the GPU model (``h200``), or for CPUs the best
+    instruction set the bf16 kernels use (AMX, AVX-512 with bf16, AVX-512, AVX2): runs on
+    another class give other near-ties and are never judged by this class's golden."""
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+        return "".join(c for c in name.lower().split()[-1] if c.isalnum()) or "gpu"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return next((cls for flag, cls in CPU_CLASSES if flag in flags), f"cpu-{platform.machine()}")
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -123,7 +151,7 @@ def _cpu_model() -> str:
 
 @dataclass
 class EngineRun:
-    texts: list[str]
+    outputs: list[Output]
     counters: dict[str, Any] = field(default_factory=dict)
     start_s: float = 0.0
     generate_s: float = 0.0
@@ -150,12 +178,24 @@ def start_engine(profile: Profile, model: str, speculative: dict[str, Any] | Non
     return LLM(**kwargs)
 
 
-def chat(llm: Any, prompts: list[Any], max_tokens: int) -> list[str]:
+def chat(llm: Any, prompts: list[Any], max_tokens: int, top_logprobs: int) -> list[Output]:
+    """Greedy chat outputs with the top-k logprobs at every generated position (vLLM reports
+    them from the target's logits, in the speculative engine too), which the tie-aware comparison
+    scores divergences with."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=False)
-    outputs = llm.chat(prompts, params, use_tqdm=False)
-    return [o.outputs[0].text for o in outputs]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=False,
+                            logprobs=top_logprobs)
+    results = []
+    for o in llm.chat(prompts, params, use_tqdm=False):
+        out = o.outputs[0]
+        top = []
+        for pos in out.logprobs or []:
+            pairs = sorted(((int(t), float(lp.logprob)) for t, lp in pos.items()),
+                           key=lambda p: -p[1])
+            top.append(pairs)
+        results.append(Output(text=out.text, token_ids=[int(t) for t in out.token_ids], top=top))
+    return results
 
 
 def spec_counters(llm: Any) -> dict[str, Any]:
@@ -204,10 +244,10 @@ def run_engine(profile: Profile, model: str, prompts: list[Any],
     try:
         t = time.monotonic()
         with phases(f"{label}_generation"):
-            texts = chat(llm, prompts, profile.max_tokens)
+            outputs = chat(llm, prompts, profile.max_tokens, profile.top_logprobs)
         gen_s = time.monotonic() - t
         counters = spec_counters(llm) if speculative else {}
         log(f"{label} engine: generated in {gen_s:.1f}s")
     finally:
         shutdown(llm)
-    return EngineRun(texts=texts, counters=counters, start_s=start_s, generate_s=gen_s)
+    return EngineRun(outputs=outputs, counters=counters, start_s=start_s, generate_s=gen_s)
