@@ -18,3 +18,22 @@ def host_rehearsal_tp8(pair, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
     code, rec, _ = rehearse(tmp_path_factory.mktemp("host-rehearsal") / "run")
     return code, rec
+
+
+# Wall time per test file, printed at the end of every run: CI's budget (30 minutes on 2 cores) is
+# kept by knowing which file spends it. pytest's --durations lists single tests only.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file (setup + call + teardown)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  total")
