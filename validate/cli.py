@@ -433,13 +433,11 @@ def refresh_pins(args: argparse.Namespace) -> int:
 
 
 def _add_verdict_options(p: argparse.ArgumentParser) -> None:
+    from validate.goldens import OPTIONS
+
     g = p.add_argument_group("verdict")
-    g.add_argument("--golden", default="auto",
-                   help="auto: the calibrated golden for this profile, device class and TP "
-                        "(validate/data/goldens/); none: the profile's floors; or a golden file")
-    g.add_argument("--reference", choices=("live", "golden"), default="live",
-                   help="golden: take the reference outputs from the golden and start only the "
-                        "speculative engine (about half the time; needs a golden that applies)")
+    for flag, kwargs in OPTIONS:
+        g.add_argument(flag, **kwargs)
 
 
 def _add_image_options(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from validate.goldens import OPTIONS
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("llama4-eagle", "Llama-4 EAGLE end-to-end validation")
@@ -18,12 +20,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="folder for record.json / junit.xml / summary.md (default: runs/<name>-<time>)")
     g.addoption("--num-prompts", type=int, default=None, help="override the profile's prompt count")
     g.addoption("--max-tokens", type=int, default=None, help="override the profile's max_tokens")
-    g.addoption("--golden", default="auto",
-                help="auto (validate/data/goldens/ for this profile, device class and TP), none "
-                     "(judge by the profile's floors), or a golden file")
-    g.addoption("--reference", choices=("live", "golden"), default="live",
-                help="live: run a reference engine; golden: take the golden's reference outputs "
-                     "and start only the speculative engine (needs a golden that applies)")
+    for flag, kwargs in OPTIONS:
+        g.addoption(flag, **kwargs)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
