@@ -1,5 +1,5 @@
 """The CPU image, built and run through the same code as the CUDA image, on a real Docker engine the
-tests start themselves (Debian's dockerd, vfs, its own socket) and a base image made locally
+tests start themselves (Debian's dockerd, overlay2 or vfs, its own socket) and a base image made locally
 (no registry is reachable here)."""
 
 from __future__ import annotations
