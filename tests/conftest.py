@@ -1,9 +1,37 @@
 from __future__ import annotations
 
+import json
 import os
+import random
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
-from helpers import rehearse
+from helpers import ROOT, WALKTHROUGH_RUN, runnable_blocks
+
+FIXTURE_MODELS = Path(__file__).parent / "data" / "fixture-models"
+
+
+@dataclass
+class Models:
+    """Model folders as the host side sees them: real configs, shards of random bytes."""
+
+    target: Path
+    head: Path
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    """The tiny pair's configs with stand-in shards (tests/data/README.md): for host-side tests,
+    which check configs and move files, without torch or the generated pair."""
+    root = tmp_path_factory.mktemp("fixture-models")
+    rng = random.Random(0)
+    for role, size in (("target", 27 << 20), ("head", 6 << 20)):
+        shutil.copytree(FIXTURE_MODELS / role, root / role)
+        (root / role / "model.safetensors").write_bytes(rng.randbytes(size))
+    return Models(root / "target", root / "head")
 
 
 @pytest.fixture(scope="session")
@@ -15,11 +43,19 @@ def pair():
 
 
 @pytest.fixture(scope="session")
-def host_rehearsal_tp8(pair, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
-    """One CPU rehearsal at TP=8 on the host, shared by the tests that need its record."""
+def host_rehearsal_tp8(pair) -> tuple[int, dict, str]:
+    """The walkthrough's runnable block (docs/walkthrough.md: `nox -s rehearse_tp8 -- --run-dir
+    runs/walkthrough`), run in the repository as a newcomer runs it: the one CPU rehearsal at TP=8
+    on the host, shared by every test that reads its record (the docs test included).
+    (exit code of the block, record, output)."""
     pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
-    code, rec, _ = rehearse(tmp_path_factory.mktemp("host-rehearsal") / "run")
-    return code, rec
+    [block] = [b for _, b in runnable_blocks() if f"--run-dir {WALKTHROUGH_RUN}" in b]
+    run = ROOT / WALKTHROUGH_RUN
+    shutil.rmtree(run, ignore_errors=True)  # this fixture's own output of an earlier suite run
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=ROOT, capture_output=True,
+                       text=True, timeout=3600, check=False)
+    assert (run / "record.json").is_file(), (r.stdout + r.stderr)[-4000:]
+    return r.returncode, json.loads((run / "record.json").read_text()), r.stdout + r.stderr
 
 
 # Wall time per test file, printed at the end of every run: CI's budget (30 minutes on 2 cores) is

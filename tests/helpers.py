@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The walkthrough's CPU block is also the suite's shared TP=8 host rehearsal (tests/conftest.py).
+WALKTHROUGH_RUN = "runs/walkthrough"
+
+
+def runnable_blocks() -> list[tuple[str, str]]:
+    """(doc name, bash) of every ```bash runnable block in the docs."""
+    return [(doc.name, block) for doc in DOCS
+            for block in re.findall(r"```bash runnable\n(.*?)```", doc.read_text(), re.S)]
 
 
 def rehearse(run: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[int, dict, str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from validate import cli
+from validate.contract import Exit
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -20,43 +21,45 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_unknown_profile_lists_known_ones() -> None:
     r = _cli("rehearse", "--profile", "maverick")
-    assert r.returncode == cli.EXIT_INPUT, r.stderr
+    assert r.returncode == Exit.BAD_INPUT, r.stderr
     assert "unknown profile 'maverick'" in r.stderr and "maverick-tp8" in r.stderr
 
 
-def test_tp_that_does_not_divide_is_refused_before_any_engine(pair, tmp_path: Path) -> None:
-    r = _cli("rehearse", "--tp", "3", "--run-dir", str(tmp_path / "run"))
-    assert r.returncode == cli.EXIT_INPUT, r.stderr
+def test_tp_that_does_not_divide_is_refused_before_any_engine(models, tmp_path: Path) -> None:
+    r = _cli("rehearse", "--tp", "3", "--target", str(models.target), "--draft", str(models.head),
+             "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == Exit.BAD_INPUT, r.stderr
     assert "8 attention heads are not divisible by tensor parallel size 3" in r.stderr
     assert not (tmp_path / "run").exists(), "no engine, no run"
 
 
 @pytest.fixture
-def head_without_key(pair, tmp_path: Path) -> Path:
+def head_without_key(models, tmp_path: Path) -> Path:
     head = tmp_path / "head"
-    shutil.copytree(pair.head, head)
+    shutil.copytree(models.head, head)
     cfg = json.loads((head / "config.json").read_text())
     del cfg["yoco_local_kv_layer"]
     (head / "config.json").write_text(json.dumps(cfg))
     return head
 
 
-def test_head_missing_a_loader_key_is_refused_naming_it(head_without_key: Path) -> None:
-    r = _cli("rehearse", "--draft", str(head_without_key))
-    assert r.returncode == cli.EXIT_INPUT, r.stderr
+def test_head_missing_a_loader_key_is_refused_naming_it(models, head_without_key: Path) -> None:
+    r = _cli("rehearse", "--target", str(models.target), "--draft", str(head_without_key))
+    assert r.returncode == Exit.BAD_INPUT, r.stderr
     assert "'yoco_local_kv_layer'" in r.stderr
     assert "vllm/model_executor/models/llama4_eagle.py" in r.stderr
 
 
-def test_e2e_script_on_its_own_refuses_it_too_and_records_why(pair, head_without_key: Path,
+def test_e2e_script_on_its_own_refuses_it_too_and_records_why(models, head_without_key: Path,
                                                               tmp_path: Path) -> None:
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "pytest", str(cli.E2E_SCRIPT), "-q", "-p",
-                        "no:cacheprovider", "--draft", str(head_without_key), "--run-dir", str(run)],
+                        "no:cacheprovider", "--target", str(models.target),
+                        "--draft", str(head_without_key), "--run-dir", str(run)],
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 1, r.stdout[-2000:]
     rec = json.loads((run / "record.json").read_text())
-    assert rec["error"]["type"] == "IncompatibleModel"
+    assert rec["error"]["type"] == "IncompatibleModel" and rec["error"]["kind"] == "bad-input"
     assert "yoco_local_kv_layer" in rec["error"]["message"]
     assert list(rec["phases"]) == ["checks"], "no engine was started"
 
@@ -79,23 +82,24 @@ def test_vllm_missing_names_the_session() -> None:
     assert "vLLM is not importable" in out.stdout and "nox -s rehearse_tp8" in out.stdout
 
 
-def test_corrupt_golden_is_refused_before_any_engine(pair, tmp_path: Path) -> None:
+def test_corrupt_golden_is_refused_before_any_engine(models, tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="needs the CPU engine environment (nox -s tests)")
     golden = tmp_path / "tiny-cpu-x-tp8.json"
     golden.write_text('{"schema": 1, "profile": "tiny"')
-    r = _cli("rehearse", "--golden", str(golden), "--run-dir", str(tmp_path / "run"))
-    assert r.returncode == cli.EXIT_INPUT, r.stderr[-2000:]
+    r = _cli("rehearse", "--golden", str(golden), "--target", str(models.target), "--draft",
+             str(models.head), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == Exit.BAD_INPUT, r.stderr[-2000:]
     rec = json.loads((tmp_path / "run" / "record.json").read_text())
-    assert rec["error"]["type"] == "BadGolden" and str(golden) in rec["error"]["message"]
+    assert rec["error"]["kind"] == "bad-input" and str(golden) in rec["error"]["message"]
     assert "nox -s calibrate -- --profile tiny --tp 8" in rec["error"]["message"]
     assert list(rec["phases"]) == ["checks"], "no engine was started"
 
 
-def test_reference_golden_without_a_golden_is_refused(pair, tmp_path: Path) -> None:
+def test_reference_golden_without_a_golden_is_refused(models, tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="needs the CPU engine environment (nox -s tests)")
-    r = _cli("rehearse", "--golden", "none", "--reference", "golden", "--run-dir",
-             str(tmp_path / "run"))
-    assert r.returncode == cli.EXIT_INPUT, r.stderr[-2000:]
+    r = _cli("rehearse", "--golden", "none", "--reference", "golden", "--target",
+             str(models.target), "--draft", str(models.head), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == Exit.BAD_INPUT, r.stderr[-2000:]
     rec = json.loads((tmp_path / "run" / "record.json").read_text())
     assert "--reference golden needs a golden" in rec["error"]["message"]
     assert list(rec["phases"]) == ["checks"]

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import rehearse
 
-from validate import cli, containers
+from validate import cli, commands, containers
+from validate.contract import Exit
 
 ROOT = Path(__file__).resolve().parent.parent
 CANARY = "hf_CANARYtokenNEVERinIMAGESorLOGS0123456789"
@@ -67,11 +68,37 @@ def test_dockerfiles_pass_hadolint() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_pins_invent_no_digest() -> None:
-    for kind, pin in containers.pins().items():
-        _, pinned = containers.base_reference(kind)
-        assert pinned == bool(pin["digest"]), kind
-        assert not pin["digest"] or pin["digest"].startswith("sha256:")
+def test_a_pinned_base_is_built_from_its_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A digest in pins.toml is what the build uses (by content, not by tag); an empty one is
+    unpinned and the tag is used as written; an override counts as pinned only with a digest."""
+    digest = "sha256:" + "ab" * 32
+    pins = tmp_path / "pins.toml"
+    pins.write_text(f'[cpu]\nbase = "debian:bookworm-slim"\ndigest = "{digest}"\nvllm = "x"\n'
+                    '[cuda]\nbase = "vllm/vllm-openai:v0.25.0"\ndigest = ""\nvllm = "y"\n')
+    monkeypatch.setattr(containers, "PINS", pins)
+    assert containers.base_reference("cpu") == (f"debian@{digest}", True)
+    assert containers.base_reference("cuda") == ("vllm/vllm-openai:v0.25.0", False)
+    assert containers.base_reference("cpu", "kit-base/bookworm:local") == ("kit-base/bookworm:local",
+                                                                           False)
+    assert containers.base_reference("cpu", f"x@{digest}") == (f"x@{digest}", True)
+
+
+def test_model_mounts_keep_the_hub_caches_links_readable(tmp_path: Path) -> None:
+    """A cache snapshot's files are links into ../../blobs: the repository folder is mounted, so
+    the links resolve inside the container; the commit stays in the path the record reads."""
+    repo = tmp_path / "hub" / "models--org--name"
+    snap = repo / "snapshots" / ("c" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "blobs" / "abc").write_text("{}")
+    (snap / "config.json").symlink_to("../../blobs/abc")
+    mounts, inside = containers.e2e_mounts(tmp_path / "run", {"target": str(snap)})
+    assert mounts[str(repo)] == ("/models/target", "ro")
+    assert inside["target"] == f"/models/target/snapshots/{'c' * 40}"
+    link = os.readlink(snap / "config.json")
+    resolved = Path(inside["target"]) / link  # as the container resolves it, inside the mount
+    assert os.path.normpath(resolved).startswith("/models/target/blobs/")
+    assert mounts[str((tmp_path / "run").absolute())] == (containers.RUN_FOLDER, "rw")
 
 
 @pytest.mark.e2e
@@ -81,7 +108,7 @@ def test_rehearsal_in_the_cpu_image_passes_and_leaks_no_token(docker_host: str, 
     run = tmp_path / "run"
     env = {**os.environ, "DOCKER_HOST": docker_host, "HF_TOKEN": CANARY}
     code, rec, output = rehearse(run, "--container", *_image_args(base_image), env=env)
-    assert code == cli.EXIT_PASS, (rec.get("verdict"), rec.get("error"), output[-3000:])
+    assert code == Exit.PASS, (rec.get("verdict"), rec.get("error"), output[-3000:])
     assert rec["verdict"]["result"] == "PASS" and rec["profile"]["tensor_parallel_size"] == 8
     assert rec["comparison"]["hard"] == 0 and rec["acceptance"]["mean_acceptance_length"] >= 2.0
     image = rec["container"]["image"]
@@ -89,7 +116,7 @@ def test_rehearsal_in_the_cpu_image_passes_and_leaks_no_token(docker_host: str, 
     assert rec["container"]["base"] == base_image and rec["container"]["base_pinned"] is False
     # the same run as the host rehearsal: same prompts and models, acceptance within upstream's 5%
     # (outputs may differ by near-ties: TP=8 on 2 cores is not bit-for-bit deterministic)
-    _, host = host_rehearsal_tp8
+    _, host, _ = host_rehearsal_tp8
     assert [o["prompt"] for o in rec["outputs"]] == [o["prompt"] for o in host["outputs"]]
     assert rec["models"]["target_weights"] == host["models"]["target_weights"]
     mal, host_mal = (r["acceptance"]["mean_acceptance_length"] for r in (rec, host))
@@ -118,10 +145,10 @@ def test_unchanged_inputs_are_not_rebuilt(docker_host: str, base_image: str) -> 
     """After the rehearsal above built the image, the same inputs find it instead of rebuilding."""
     ns = cli.build_parser().parse_args(["rehearse", "--container", *_image_args(base_image)])
     engine = containers.Engine(docker_host)
-    tag, _, _ = cli.image(engine, ns, "cpu")
+    tag, _, _ = commands.image(engine, ns, "cpu")
     created = engine.client.images.get(tag).attrs["Created"]
     t = time.monotonic()
-    again, base, pinned = cli.image(engine, ns, "cpu")
+    again, base, pinned = commands.image(engine, ns, "cpu")
     seconds = time.monotonic() - t
     assert again == tag and engine.client.images.get(tag).attrs["Created"] == created, "rebuilt"
     assert base == base_image and not pinned

@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import DOCS, ROOT, WALKTHROUGH_RUN, runnable_blocks
 
-from validate import cli
+from validate import cli, contract
 
-ROOT = Path(__file__).resolve().parent.parent
 PIPELINE = ROOT / ".buildkite" / "pipeline.yml"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SESSION_TO_COMMAND = {"rehearse_tp8": "rehearse", "validate_tp8": "validate", "fetch": "fetch",
                       "lock": "lock", "refresh_pins": "refresh-pins"}
 
@@ -69,8 +68,7 @@ def _commands(text: str) -> list[str]:
 def test_every_session_and_option_named_in_docs_and_pipeline_exists() -> None:
     sessions = _sessions()
     parser = cli.build_parser()
-    e2e_options = set(re.findall(r'addoption\("(--[\w-]+)"',
-                                 (ROOT / "validate/e2e/conftest.py").read_text()))
+    e2e_options = set(contract.E2E_FLAGS)
     checked = 0
     for name, text in _texts().items():
         for command in _commands(text):
@@ -87,7 +85,7 @@ def test_every_session_and_option_named_in_docs_and_pipeline_exists() -> None:
             elif words[2] == "validate.e2e":
                 for opt in (w for w in words[3:] if w.startswith("--")):
                     assert opt in e2e_options, f"{name}: `{command}`: no option {opt}"
-            else:
+            elif words[3:] != ["--help"]:
                 try:
                     parser.parse_args(words[3:])
                 except SystemExit:
@@ -115,22 +113,21 @@ def test_links_inside_docs_resolve() -> None:
                 assert anchor in slugs, f"{doc.name}: no heading for #{anchor} in {dest.name}"
 
 
-def _runnable_blocks() -> list[tuple[str, str]]:
-    blocks = []
-    for doc in DOCS:
-        for block in re.findall(r"```bash runnable\n(.*?)```", doc.read_text(), re.S):
-            blocks.append((doc.name, block))
-    return blocks
-
-
 def test_docs_have_runnable_blocks() -> None:
-    assert _runnable_blocks(), "the walkthrough's CPU section is marked runnable"
+    assert runnable_blocks(), "the walkthrough's CPU section is marked runnable"
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("doc", "block"), _runnable_blocks(), ids=lambda v: str(v)[:30])
-def test_runnable_block(doc: str, block: str) -> None:
-    """Run as a newcomer would: in the repository root, with bash, on the tiny profile."""
+@pytest.mark.parametrize(("doc", "block"), runnable_blocks(), ids=lambda v: str(v)[:30])
+def test_runnable_block(doc: str, block: str, request: pytest.FixtureRequest) -> None:
+    """Run as a newcomer would: in the repository root, with bash, on the tiny profile. The
+    walkthrough's rehearsal block is the suite's shared host rehearsal (run once, read here)."""
+    if f"--run-dir {WALKTHROUGH_RUN}" in block:
+        code, rec, out = request.getfixturevalue("host_rehearsal_tp8")
+        assert code == 0, f"{doc}: block failed:\n{block}\n{out[-3000:]}"
+        assert rec["verdict"]["result"] == "PASS", rec["verdict"]
+        assert rec["verdict"]["result"] in out, "the block prints the summary"
+        return
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=ROOT, capture_output=True,
                        text=True, timeout=3600, check=False, env={**os.environ})
     assert r.returncode == 0, f"{doc}: block failed:\n{block}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

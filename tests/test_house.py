@@ -10,9 +10,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).parent
 
-HOST_MODULES = ("validate.cli", "validate.hub", "validate.containers", "validate.preflight",
-                "validate.record", "validate.goldens", "validate.metrics", "validate.profiles",
-                "validate.compat", "validate.prompts")
+HOST_MODULES = ("validate.cli", "validate.commands", "validate.contract", "validate.hub",
+                "validate.containers", "validate.preflight", "validate.record", "validate.goldens",
+                "validate.metrics", "validate.profiles", "validate.compat", "validate.prompts")
 
 
 def test_host_side_imports_leave_torch_and_vllm_out() -> None:

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 from helpers import rehearse
 
-from validate import cli
+from validate.contract import Exit
 
 pytestmark = pytest.mark.e2e
 PERTURBATIONS = Path(__file__).parent / "perturbations"
 
 
 def test_rehearsal_at_tp8_passes_with_the_distilled_head(pair, host_rehearsal_tp8) -> None:
-    code, rec = host_rehearsal_tp8
-    assert code == cli.EXIT_PASS, rec.get("verdict") or rec.get("error")
+    code, rec, _ = host_rehearsal_tp8
+    assert code == Exit.PASS, rec.get("verdict") or rec.get("error")
     assert rec["verdict"]["result"] == "PASS"
     assert rec["verdict"]["calibration"] in ("calibrated", "uncalibrated")
     assert rec["golden"]["why"], "the record says which golden applied, or why none did"
@@ -47,7 +47,7 @@ def test_random_head_matches_but_fails_on_acceptance(pair, tmp_path: Path) -> No
     the TP=8 path (three minutes less CI on 2 cores)."""
     code, rec, _ = rehearse(tmp_path / "run", "--head", "random", "--tp", "1")
     assert rec["comparison"]["hard"] == 0, "greedy speculative decoding stays lossless"
-    assert code == cli.EXIT_FAIL, rec.get("verdict") or rec.get("error")
+    assert code == Exit.FAIL, rec.get("verdict") or rec.get("error")
     assert rec["verdict"]["result"] == "FAIL"
     assert any("acceptance is too low" in r for r in rec["verdict"]["reasons"]), rec["verdict"]
 
@@ -60,7 +60,7 @@ def test_noise_on_the_targets_logits_in_verification_is_a_hard_divergence(pair,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(PERTURBATIONS), os.environ.get("PYTHONPATH", "")]), "KIT_PERTURB_LOGIT_NOISE": "2.0"}
     code, rec, out = rehearse(tmp_path / "run", "--tp", "1", "--num-prompts", "20", env=env)
-    assert code == cli.EXIT_FAIL, (rec.get("verdict") or rec.get("error"), out[-2000:])
+    assert code == Exit.FAIL, (rec.get("verdict") or rec.get("error"), out[-2000:])
     cmp = rec["comparison"]
     assert cmp["hard"] >= 3, cmp
     for d in cmp["divergences"]:  # hard: beyond delta, or outside the reference's top-k
@@ -81,14 +81,14 @@ def test_calibrate_then_judge_by_the_golden_without_a_reference_engine(pair, tmp
     r = subprocess.run([sys.executable, "-m", "validate", "calibrate", *small, "--runs", "1",
                         "--out", str(golden), "--run-dir", str(tmp_path / "cal")],
                        capture_output=True, text=True, timeout=1800, check=False)
-    assert r.returncode == cli.EXIT_PASS, r.stderr[-3000:]
+    assert r.returncode == Exit.PASS, r.stderr[-3000:]
     g = json.loads(golden.read_text())
     assert g["runs"] == 1 and g["tensor_parallel_size"] == 1 and len(g["reference"]) == 10
     assert g["acceptance"]["mean_acceptance_length"]["tolerance"] > 0
 
     code, rec, out = rehearse(tmp_path / "run", *small, "--golden", str(golden),
                               "--reference", "golden")
-    assert code == cli.EXIT_PASS, (rec.get("verdict") or rec.get("error"), out[-2000:])
+    assert code == Exit.PASS, (rec.get("verdict") or rec.get("error"), out[-2000:])
     assert rec["verdict"]["calibration"] == "calibrated" and rec["golden"]["applied"]
     assert rec["reference"]["kind"] == "golden"
     assert "reference_engine_start" not in rec["phases"], "one target load per verdict"

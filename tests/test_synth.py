@@ -9,6 +9,7 @@ import pytest
 
 from validate import compat, prompts
 
+pytestmark = pytest.mark.e2e  # the generated pair: engine side, minutes to build once
 torch = pytest.importorskip("torch", reason="the generator runs on the engine side (nox -s tests)")
 
 

@@ -34,6 +34,42 @@ class ContainerError(RuntimeError):
     pass
 
 
+# What the end-to-end script's container gets: the run folder writable, each model folder
+# read-only, no network, no token (weights are read from disk; the token stays on the host).
+RUN_FOLDER = "/run-record"
+E2E_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def model_mount(path: str | Path, role: str) -> tuple[str, str, str]:
+    """(host folder to mount, where it goes, the model's path inside) for a model folder.
+
+    A Hugging Face cache snapshot (``models--org--name/snapshots/<commit>``) holds relative links
+    into ``../../blobs``: mounting the snapshot alone leaves every file a dangling link, so the
+    whole repository folder is mounted and the snapshot is addressed inside it (its commit stays
+    in the path, where the record reads it). A generated pair is mounted whole (its manifest
+    beside the models names its fingerprint). Anything else is mounted as it is, links resolved.
+    """
+    p = Path(path).absolute()
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        repo = p.parent.parent
+        return str(repo), f"/models/{role}", f"/models/{role}/snapshots/{p.name}"
+    if (p.parent / "pair.json").is_file():
+        return str(p.parent), "/models/pair", f"/models/pair/{p.name}"
+    return str(p.resolve()), f"/models/{role}", f"/models/{role}"
+
+
+def e2e_mounts(run_dir: Path, models: dict[str, str]) -> tuple[dict[str, tuple[str, str]],
+                                                                dict[str, str]]:
+    """(mounts, model paths inside) for a run: ``models`` maps role (target, draft) to folder."""
+    mounts = {str(Path(run_dir).absolute()): (RUN_FOLDER, "rw")}
+    inside = {}
+    for role, path in models.items():
+        host, dst, model = model_mount(path, role)
+        mounts[host] = (dst, "ro")
+        inside[role] = model
+    return mounts, inside
+
+
 def pins() -> dict[str, dict[str, str]]:
     return tomllib.loads(PINS.read_text())
 
@@ -205,11 +241,16 @@ class Engine:
             try:
                 status = container.wait(timeout=timeout_s)
                 code: int | None = int(status.get("StatusCode", -1))
+            except KeyboardInterrupt:
+                # SIGTERM first: the engine side records the interruption and stops its workers
+                log("interrupted: stopping the container (30 s to shut down, then killed)")
+                container.stop(timeout=30)
+                raise
             except Exception as exc:  # requests' ReadTimeout when the run outlives timeout_s
                 if "timed out" not in str(exc).lower() and "timeout" not in type(exc).__name__.lower():
                     raise
                 log(f"container ran past {timeout_s:.0f}s: stopping it")
-                container.kill()
+                container.stop(timeout=30)
                 code = None
             t.join(timeout=10)
             return RunResult(code, tag, container.image.id)

@@ -16,29 +16,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from validate import metrics
+from validate import contract, metrics
 from validate.record import atomic_write
 
 SCHEMA = 1
 DIR = Path(__file__).parent / "data" / "goldens"
 
-# The verdict's options, declared once: the host CLI (argparse) and the end-to-end script (pytest's
-# addoption takes the same keywords) both add exactly these.
-OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--golden", {"default": "auto",
-                  "help": "auto: the calibrated golden for this profile, device class and TP "
-                          "(validate/data/goldens/); none: the profile's floors; or a golden file"}),
-    ("--reference", {"choices": ("live", "golden"), "default": "live",
-                     "help": "live: run a reference engine; golden: take the golden's reference "
-                             "outputs and start only the speculative engine (about half the time; "
-                             "needs a golden that applies)"}),
-)
 # What must be equal between a golden and a run for the golden to apply, beyond its file name.
 PROFILE_KEYS = ("prompt_set", "num_prompts", "max_tokens", "num_speculative_tokens", "dtype",
                 "enforce_eager")
 
 
-class BadGolden(ValueError):
+class BadGolden(contract.BadInput):
     """A golden file that cannot be read; names the file and how to regenerate it."""
 
 

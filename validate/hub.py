@@ -34,11 +34,13 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from validate import profiles
+from validate.contract import Exit
 from validate.record import atomic_write
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
-EXIT_NOT_FOUND, EXIT_ACCESS, EXIT_DISK, EXIT_VERIFY, EXIT_OFFLINE = 2, 5, 6, 7, 8
+EXIT_NOT_FOUND, EXIT_ACCESS, EXIT_DISK = Exit.BAD_INPUT, Exit.NO_ACCESS, Exit.NO_DISK
+EXIT_VERIFY, EXIT_OFFLINE = Exit.VERIFY_FAILED, Exit.OFFLINE_MISSING
 DISK_MARGIN_FRACTION = 0.05
 DISK_MARGIN_BYTES = 1 << 30
 HASH_BLOCK = 8 << 20
@@ -191,11 +193,28 @@ def check_disk(where: Path, needed: int) -> None:
             "with --cache-dir / --local-dir (or HF_HOME).", EXIT_DISK)
 
 
+def bytes_to_download(repos: list[str], *, lock_path: Path, cache_dir: Path | None,
+                      local_dir: Path | None) -> int | None:
+    """Bytes of the pinned files of ``repos`` not on disk yet, for preflight's disk check before
+    anything is fetched; None when a repository is unpinned (its size is unknown until the hub's
+    dry run, which ``download`` checks against the disk)."""
+    locks = load_lock(lock_path)
+    total = 0
+    for repo in repos:
+        lock = locks.get(repo)
+        if lock is None or not lock.files:
+            return None
+        folder = local_snapshot(repo, lock.revision, cache_dir=cache_dir, local_dir=local_dir)
+        total += sum(f["size"] for name, f in lock.files.items() if not (folder / name).is_file())
+    return total
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _where(cache_dir: Path | None, local_dir: Path | None) -> Path:
+def download_root(cache_dir: Path | None, local_dir: Path | None) -> Path:
+    """Where weights go: --local-dir, else --cache-dir, else huggingface_hub's cache."""
     from huggingface_hub import constants
 
     return Path(local_dir or cache_dir or constants.HF_HUB_CACHE)
@@ -212,7 +231,7 @@ def download(repo: str, lock: RepoLock, *, cache_dir: Path | None, local_dir: Pa
     try:
         plan = snapshot_download(repo, dry_run=True, **kwargs)
         needed = sum(p.file_size or 0 for p in plan if p.will_download)
-        check_disk(_where(cache_dir, local_dir), needed)
+        check_disk(download_root(cache_dir, local_dir), needed)
         console.print(f"{repo}@{lock.revision[:12]}: {len(files)} files, {_gib(lock.total_bytes)}; "
                       f"{_gib(needed)} to download")
         return Path(snapshot_download(repo, max_workers=8, **kwargs))

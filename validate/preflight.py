@@ -1,15 +1,20 @@
 """Host checks before anything heavy: do this machine's facts meet the profile's needs?
 
 Each finding is ok, warn or fail, with the fix. Evaluation is pure (facts in, findings out), so it
-is tested on real outputs captured from H200 hosts and a real Docker engine; gathering the facts
-(running ``nvidia-smi``, asking the Docker engine) is done by the caller.
+is tested on real outputs captured from H200 hosts and a real Docker engine; ``gather`` collects the
+facts (``nvidia-smi``, the Docker engine's info through a callable the caller hands in, /dev/shm,
+free disk), each probe bounded to seconds.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import shutil
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from validate.profiles import Profile
@@ -69,6 +74,38 @@ def parse_nvidia_smi(text: str) -> list[Gpu]:
     return gpus
 
 
+def gather(profile: Profile, *, docker_info: Callable[[], dict[str, Any]] | None,
+           disk_path: Path | None = None, disk_needed_bytes: int | None = None) -> HostFacts:
+    """What this host offers. ``docker_info`` None: no container is wanted, the engine is not asked.
+    ``disk_path``: where the weights go (the nearest existing folder above it is measured)."""
+    facts = HostFacts(disk_needed_bytes=disk_needed_bytes)
+    if docker_info is not None:
+        try:
+            facts.docker = docker_info()
+        except Exception as exc:  # no engine, permission denied, ...: the finding says which
+            facts.docker_error = str(exc).splitlines()[0][:300]
+    if profile.device == "cuda":
+        try:
+            out = subprocess.run(NVIDIA_SMI_QUERY, capture_output=True, text=True, timeout=20,
+                                 check=True).stdout
+            facts.gpus = parse_nvidia_smi(out)
+        except FileNotFoundError:
+            facts.gpu_error = "nvidia-smi is not installed (no NVIDIA driver on this host)"
+        except (subprocess.SubprocessError, ValueError) as exc:
+            facts.gpu_error = f"nvidia-smi failed: {exc}"
+    try:
+        facts.shm_bytes = shutil.disk_usage("/dev/shm").total
+    except OSError:
+        pass
+    if disk_path is not None:
+        probe = Path(disk_path).absolute()
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        facts.disk_free_bytes = shutil.disk_usage(probe).free
+        facts.extra["disk_path"] = str(probe)
+    return facts
+
+
 def evaluate(profile: Profile, facts: HostFacts, *, container: bool = True) -> list[Finding]:
     tp = profile.tensor_parallel_size
     out: list[Finding] = []
@@ -92,6 +129,9 @@ def evaluate(profile: Profile, facts: HostFacts, *, container: bool = True) -> l
                         "restart docker`"))
     if profile.device == "cuda":
         out += _gpu_findings(profile, facts, tp)
+    else:
+        out.append(Finding("gpus", OK, f"not needed: profile {profile.name} runs on "
+                           f"{profile.device} (GPU checks waived)"))
     if facts.shm_bytes is not None:
         if facts.shm_bytes >= MIN_SHM_BYTES or container:
             note = " (the container runs with ipc=host)" if container else ""
@@ -102,8 +142,9 @@ def evaluate(profile: Profile, facts: HostFacts, *, container: bool = True) -> l
     if facts.disk_needed_bytes is not None and facts.disk_free_bytes is not None:
         need, free = facts.disk_needed_bytes, facts.disk_free_bytes
         status = OK if free >= need else FAIL
-        out.append(Finding("disk", status, f"{free / 2**30:.0f} GiB free, {need / 2**30:.0f} GiB "
-                           "needed for the weights", "" if status == OK else
+        where = facts.extra.get("disk_path", "the model folder")
+        out.append(Finding("disk", status, f"{free / 2**30:.1f} GiB free at {where}, "
+                           f"{need / 2**30:.1f} GiB needed for the weights", "" if status == OK else
                            "free space or point --cache-dir / HF_HOME elsewhere"))
     return out
 

@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
+from validate import contract
+
 RECORD = "record.json"
 JUNIT = "junit.xml"
 SUMMARY = "summary.md"
 REPRODUCE = "REPRODUCE.md"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = contract.RECORD_SCHEMA_VERSION
 
 
 def _now() -> str:
@@ -55,9 +57,11 @@ class RunRecord:
         self.data = data
 
     @classmethod
-    def create(cls, run_dir: Path, *, profile: dict[str, Any], name: str) -> RunRecord:
+    def create(cls, run_dir: Path, *, profile: dict[str, Any], name: str,
+               run_id: str | None = None) -> RunRecord:
         data = {
             "schema_version": SCHEMA_VERSION,
+            "run_id": run_id,
             "name": name,
             "status": "running",
             "started_at": _now(),
@@ -76,7 +80,14 @@ class RunRecord:
 
     @classmethod
     def load(cls, run_dir: Path) -> RunRecord:
-        return cls(run_dir, json.loads((Path(run_dir) / RECORD).read_text()))
+        """The folder's record, checked against the contract (contract.BadRecord if it is not
+        one this kit wrote)."""
+        path = Path(run_dir) / RECORD
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise contract.BadRecord(f"{path}: unreadable ({exc})") from exc
+        return cls(run_dir, contract.check_record(data, path))
 
     def save(self) -> None:
         atomic_write(self.dir / RECORD, json.dumps(self.data, indent=2, default=str) + "\n")
@@ -111,14 +122,21 @@ class RunRecord:
         self._close()
 
     def fail(self, exc: BaseException, *, where: str = "") -> None:
-        """End the run on an error (not a verdict): what failed, where, and the traceback."""
-        self.data["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
-        self.data["error"] = {
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "where": where,
-            "traceback": "".join(traceback.format_exception(exc))[-8000:],
-        }
+        """End the run on an error (not a verdict): its kind (the contract's), what failed, where,
+        and the traceback."""
+        self.end(contract.error_kind(exc), f"{exc}", where=where, type_=type(exc).__name__,
+                 trace="".join(traceback.format_exception(exc))[-8000:])
+
+    def end(self, kind: contract.ErrorKind, message: str, *, where: str = "",
+            type_: str = "", trace: str = "") -> None:
+        """End the run with an error of ``kind``; also for endings no exception describes (an
+        engine process killed, a container that never started), written by the host."""
+        self.data["status"] = "interrupted" if kind == contract.ErrorKind.INTERRUPTED else "error"
+        self.data["error"] = {"kind": str(kind), "type": type_ or str(kind), "message": message,
+                              "where": where, "traceback": trace}
+        for phase in self.data["phases"].values():  # a phase still running ended with the run
+            if phase.get("status") == "running":
+                phase["status"] = "interrupted" if self.data["status"] == "interrupted" else "failed"
         self._close()
 
     def _close(self) -> None:

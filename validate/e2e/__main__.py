@@ -1,6 +1,11 @@
 """``python -m validate.e2e [options]``: the end-to-end script wherever the kit is installed (inside
-an image the file lives in site-packages). Options as in test_llama4_eagle_tp8.py's header."""
+an image the file lives in site-packages). Options as in test_llama4_eagle_tp8.py's header.
 
+SIGTERM (``docker stop``, a CI cancel reaching the container) is turned into KeyboardInterrupt, so
+the script records the run as interrupted and shuts its engine's workers down, as on Ctrl-C.
+"""
+
+import signal
 import sys
 from pathlib import Path
 
@@ -8,5 +13,11 @@ import pytest
 
 SCRIPT = Path(__file__).with_name("test_llama4_eagle_tp8.py")
 
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(pytest.main([str(SCRIPT), "-p", "no:cacheprovider", "-s", "-q", *sys.argv[1:]]))

@@ -1,26 +1,16 @@
-"""Options of the end-to-end script (see the header of test_llama4_eagle_tp8.py)."""
+"""Options of the end-to-end script: the contract's (validate/contract.py), declared once for the
+host's command line and for pytest here."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from validate.goldens import OPTIONS
+from validate.contract import E2E_OPTIONS
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("llama4-eagle", "Llama-4 EAGLE end-to-end validation")
-    g.addoption("--profile", action="append", default=None,
-                help="profile name from validate/data/profiles.toml (repeatable; default: tiny)")
-    g.addoption("--tp", type=int, default=None, help="tensor parallel size (default: the profile's)")
-    g.addoption("--target", default=None, help="target model folder (default: from the profile)")
-    g.addoption("--draft", default=None, help="EAGLE head folder (default: from the profile)")
-    g.addoption("--run-dir", type=Path, default=None,
-                help="folder for record.json / junit.xml / summary.md (default: runs/<name>-<time>)")
-    g.addoption("--num-prompts", type=int, default=None, help="override the profile's prompt count")
-    g.addoption("--max-tokens", type=int, default=None, help="override the profile's max_tokens")
-    for flag, kwargs in OPTIONS:
+    for flag, kwargs in E2E_OPTIONS:
         g.addoption(flag, **kwargs)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from validate import contract
 from validate.metrics import Output
 from validate.profiles import Profile
 
@@ -24,7 +25,7 @@ INSTALL_HINT = (
 )
 
 
-class EnvironmentProblem(RuntimeError):
+class EnvironmentProblem(contract.EnvironmentProblem):
     """vLLM missing, or built for another device than the profile needs."""
 
 

@@ -20,8 +20,9 @@ It is not part of vLLM's regular CI: Maverick needs 8 GPUs. Run it by hand:
     # the same script on the generated tiny pair, on CPU, at TP=8 (vLLM's CPU build):
     pytest validate/e2e/test_llama4_eagle_tp8.py --profile tiny
 
-Options: --profile (repeatable), --tp, --target, --draft, --run-dir, --num-prompts, --max-tokens,
---golden (auto | none | FILE), --reference (live | golden: skip the reference engine).
+Options (validate/contract.py, E2E_OPTIONS): --profile (repeatable), --tp, --target, --draft,
+--run-dir, --num-prompts, --max-tokens, --golden (auto | none | FILE), --reference (live | golden:
+skip the reference engine), --run-id (the host's id for this run, written into the record).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from typing import Any
 
 import pytest
 
-from validate import compat, goldens, metrics, profiles, prompts
+from validate import compat, contract, goldens, metrics, profiles, prompts
 from validate.e2e import engines
 from validate.record import RunRecord
 
 
-class IncompatibleModel(ValueError):
+class IncompatibleModel(contract.BadInput):
     """The model folders cannot work with this vLLM at this TP size; said before engines start."""
 
 
@@ -121,7 +122,7 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir = opt("--run-dir") or Path("runs") / f"{name}-{stamp}"
     reference = opt("--reference")
-    rec = RunRecord.create(run_dir, profile=profile.to_dict(), name=name)
+    rec = RunRecord.create(run_dir, profile=profile.to_dict(), name=name, run_id=opt("--run-id"))
     engines.log(f"run folder: {run_dir}")
     try:
         with rec.phase("checks"):

@@ -1,0 +1,377 @@
+"""What each ``python -m validate`` command does, host side: decide, prepare, launch, collect.
+
+Never imports vLLM or torch (an 8-GPU box's host may have neither). The engine side is launched as
+a subprocess (the tiny pair's generator, then the end-to-end script), on this host or in a
+container, and the run folder it fills is read back. The host creates that folder fresh and
+chooses the run's id; it accepts only a record carrying that id, and every ending (a verdict, a
+crash, a killed engine, a container that never ran, an interrupt) leaves a record that says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from validate import compat, hub, preflight, profiles
+from validate.contract import BadInput, BadRecord, ErrorKind, Exit, e2e_argv, exit_code
+from validate.record import RunRecord
+
+HEADS = {"trained": "generated:head", "random": "generated:random-head"}
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def profile_for(args: argparse.Namespace) -> profiles.Profile:
+    try:
+        profile = profiles.get(args.profile)
+    except profiles.UnknownProfile as exc:
+        raise BadInput(str(exc)) from exc
+    return profile.with_overrides(tensor_parallel_size=args.tp, num_prompts=args.num_prompts,
+                                  max_tokens=args.max_tokens)
+
+
+def _generated_pair() -> Path:
+    """Build (or reuse) the tiny pair in the engine environment; returns its folder."""
+    proc = subprocess.run([sys.executable, "-m", "validate.synth"], stdout=subprocess.PIPE,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"generating the tiny pair failed (exit {proc.returncode}); "
+                           "see the [synth] lines above")
+    return Path(json.loads(proc.stdout)["pair"])
+
+
+def resolve_models(profile: profiles.Profile, target: str | None, draft: str | None,
+                   head: str | None = None) -> tuple[str, str]:
+    """The target and head folders of a run, for every mode (host or container): the options,
+    else the profile's; ``generated:*`` is the tiny pair, generated here once and cached."""
+    draft = draft or HEADS.get(head or "") or profile.draft
+    target = target or profile.target
+    if target.startswith(profiles.GENERATED) or draft.startswith(profiles.GENERATED):
+        pair = _generated_pair()
+        target, draft = (str(pair / m.removeprefix(profiles.GENERATED))
+                         if m.startswith(profiles.GENERATED) else m for m in (target, draft))
+    for path, what in ((target, "target"), (draft, "draft")):
+        if not Path(path).is_dir():
+            raise BadInput(f"{what} {path!r} is not a folder on this machine; for hub models run "
+                           f"`nox -s validate_tp8` (it fetches them), or pass --{what} PATH")
+    return target, draft
+
+
+def check(profile: profiles.Profile, target: str, draft: str) -> None:
+    problems = compat.head_problems(Path(draft)) + compat.tp_problems(
+        Path(target), profile.tensor_parallel_size)
+    if problems:
+        raise BadInput("refused before starting any engine:\n  - " + "\n  - ".join(problems))
+
+
+def new_run(args: argparse.Namespace, profile: profiles.Profile) -> RunRecord:
+    """A fresh run folder with the host's record in it (status running, a new run id). A folder
+    that already holds anything is refused: an old record must never be read as this run's."""
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    head = f"-{args.head}-head" if getattr(args, "head", None) else ""
+    name = f"{profile.name}-tp{profile.tensor_parallel_size}"
+    run_dir = Path(args.run_dir or Path("runs") / f"{name}{head}-{stamp}").absolute()
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise BadInput(f"run folder {run_dir} is not empty; choose a new --run-dir (or move that "
+                       "one aside): its record must not be mistaken for this run's")
+    try:
+        return RunRecord.create(run_dir, profile=profile.to_dict(), name=name,
+                                run_id=uuid.uuid4().hex[:12])
+    except OSError as exc:
+        raise BadInput(f"run folder {run_dir} cannot be written ({exc})") from exc
+
+
+def _e2e_values(profile: profiles.Profile, target: str, draft: str, run_dir: str,
+                args: argparse.Namespace, run_id: str) -> dict[str, Any]:
+    return {"--profile": profile.name, "--tp": profile.tensor_parallel_size, "--target": target,
+            "--draft": draft, "--run-dir": run_dir, "--num-prompts": profile.num_prompts,
+            "--max-tokens": profile.max_tokens, "--golden": args.golden,
+            "--reference": args.reference, "--run-id": run_id}
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a CI cancel, `docker stop`, `kill`) takes the same path as Ctrl-C."""
+    def raise_interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def on_host(rec: RunRecord, profile: profiles.Profile, target: str, draft: str,
+            args: argparse.Namespace) -> str:
+    """Run the end-to-end script here; returns how it ended, for the record if it wrote none."""
+    argv = e2e_argv(_e2e_values(profile, target, draft, str(rec.dir), args, rec.data["run_id"]))
+    # Its own process group: a signal meant for the run reaches the script and vLLM's workers
+    # together, and whatever is left of the group when the script ends is ended with it.
+    proc = subprocess.Popen([sys.executable, "-m", "validate.e2e", *argv],
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]: the engine gets 60 s to record it and stop its workers")
+        _signal_group(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        _signal_group(proc.pid, signal.SIGKILL)  # orphaned workers of a killed script
+    return f"the end-to-end script exited {code}" + (
+        f" (killed by signal {-code}: out of memory, or killed from outside?)" if code < 0 else "")
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def in_container(rec: RunRecord, profile: profiles.Profile, target: str, draft: str,
+                 args: argparse.Namespace) -> str:
+    """Build the profile's image (skipped when its inputs are unchanged) and run the end-to-end
+    script in it with the container policy of ``containers`` (models read-only, the run folder
+    writable, no network, no token)."""
+    from validate import containers
+
+    engine = containers.Engine()
+    tag, base, pinned = image(engine, args, profile.device)
+    mounts, inside = containers.e2e_mounts(rec.dir, {"target": target, "draft": draft})
+    argv = e2e_argv(_e2e_values(profile, inside["target"], inside["draft"], containers.RUN_FOLDER,
+                                args, rec.data["run_id"]))
+    rec.update(container={"image": tag, "base": base, "base_pinned": pinned, "exit_code": None})
+    try:
+        result = engine.run(tag, ["python3", "-m", "validate.e2e", *argv], mounts=mounts,
+                            environment=containers.E2E_ENVIRONMENT,
+                            gpus=profile.tensor_parallel_size if profile.device == "cuda" else 0,
+                            timeout_s=args.timeout, log=lambda line: console.print(line, markup=False))
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # the engine refused to start it (docker.errors.APIError, ...)
+        return f"the container did not run: {str(exc)[:600]}"
+    container = {"image": tag, "image_id": result.image_id, "base": base, "base_pinned": pinned,
+                 "exit_code": result.exit_code, "timed_out": result.exit_code is None}
+    _merge(rec.dir, container=container)
+    if result.exit_code is None:
+        return f"the container ran past --timeout {args.timeout:.0f} s and was stopped"
+    return f"the container exited {result.exit_code}"
+
+
+def _merge(run_dir: Path, **fields: Any) -> None:
+    try:
+        RunRecord.load(run_dir).update(**fields)
+    except BadRecord:
+        pass  # finish() says what is wrong with it
+
+
+def image(engine: Any, args: argparse.Namespace, kind: str) -> tuple[str, str, bool]:
+    """Build (or find, when its inputs are unchanged) the ``kind`` image: (tag, base, pinned)."""
+    from validate import containers
+
+    base, pinned = containers.base_reference(kind, args.base_image)
+    if not pinned:
+        console.print(f"[bold yellow]UNPINNED base image[/] {base}: no digest in "
+                      f"{containers.PINS.relative_to(containers.ROOT)}; `nox -s refresh_pins` pins it")
+    labels = {"kit_version": kit_version(), "git_commit": git_commit(),
+              "base_digest": base.split("@")[1] if pinned else "unpinned",
+              "vllm_version": containers.pins()[kind]["vllm"]}
+    tag = engine.build(kind, base=base, labels=labels, ca_bundle=args.ca_bundle,
+                       wheelhouse=args.wheelhouse, network=args.build_network,
+                       log=lambda line: console.print(line, markup=False))
+    return tag, base, pinned
+
+
+def kit_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("llama4-eagle-validate")
+    except Exception:
+        return "unknown"
+
+
+def git_commit() -> str:
+    r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                       text=True, check=False)
+    return r.stdout.strip() or "unknown"
+
+
+def finish(host: RunRecord, how: str, interrupted: bool = False) -> tuple[RunRecord, Exit]:
+    """The run's record as the engine side left it, accepted only if it carries this run's id;
+    a missing, foreign or unfinished one is ended here with what happened (exit 4, or 130)."""
+    run_id = host.data["run_id"]
+    try:
+        rec = RunRecord.load(host.dir)
+        problem = "" if rec.data.get("run_id") == run_id else (
+            f"the record in {host.dir} carries run id {rec.data.get('run_id')!r}, not this run's "
+            f"{run_id!r}: it is not this run's record")
+    except BadRecord as exc:
+        rec, problem = host, f"the record the engine side left is unusable: {exc}"
+    if problem:
+        rec = RunRecord.create(host.dir, profile=host.data["profile"], name=host.data["name"],
+                               run_id=run_id)
+        rec.end(ErrorKind.BROKEN, f"{problem} ({how})", where="collect")
+    elif rec.data["status"] == "running":
+        running = [n for n, p in rec.data["phases"].items() if p.get("status") == "running"]
+        where = running[-1] if running else "start"
+        if interrupted:
+            rec.end(ErrorKind.INTERRUPTED, f"interrupted during {where} ({how})", where=where)
+        elif rec is host:
+            rec.end(ErrorKind.BROKEN, f"the end-to-end script never started the run ({how})",
+                    where="start")
+        else:
+            rec.end(ErrorKind.BROKEN, f"the engine side stopped during {where} without finishing "
+                    f"the record ({how})", where=where)
+    argv = " ".join(["python -m validate", *(shlex.quote(a) for a in sys.argv[1:])])
+    rec.update(invocation={"argv": argv, "kit_commit": git_commit(), "kit_version": kit_version()})
+    rec.write_reports()
+    return rec, exit_code(rec.data)
+
+
+def run(args: argparse.Namespace, profile: profiles.Profile, target: str, draft: str,
+        container: bool) -> tuple[RunRecord, Exit]:
+    """One run: fresh folder, the end-to-end script (here or in the image), the record back."""
+    host = new_run(args, profile)
+    launch = in_container if container else on_host
+    with _sigterm_as_interrupt():
+        try:
+            how = launch(host, profile, target, draft, args)
+        except KeyboardInterrupt:
+            return finish(host, "Ctrl-C or SIGTERM", interrupted=True)
+    return finish(host, how)
+
+
+def rehearse(args: argparse.Namespace) -> tuple[RunRecord, Exit]:
+    """The whole validation with the engine environment at hand (the tiny pair on CPU by
+    default), or in the CPU image with --container."""
+    profile = profile_for(args)
+    console.print(f"[bold]profile[/] {profile.name}: {profile.description}; "
+                  f"TP={profile.tensor_parallel_size}")
+    target, draft = resolve_models(profile, args.target, args.draft, args.head)
+    check(profile, target, draft)
+    return run(args, profile, target, draft, args.container)
+
+
+def host_facts(profile: profiles.Profile, args: argparse.Namespace,
+               container: bool) -> preflight.HostFacts:
+    def docker_info() -> dict[str, Any]:
+        from validate import containers
+
+        return containers.Engine().info()
+
+    needed = None if profile.generated else hub.bytes_to_download(
+        [profile.target, profile.draft], lock_path=Path(args.lock_file), cache_dir=args.cache_dir,
+        local_dir=args.local_dir)
+    where = hub.download_root(args.cache_dir, args.local_dir)
+    return preflight.gather(profile, docker_info=docker_info if container else None,
+                            disk_path=None if profile.generated else where,
+                            disk_needed_bytes=needed)
+
+
+def calibration_runs(args: argparse.Namespace, profile: profiles.Profile,
+                     run: Any) -> Iterator[tuple[int, RunRecord, Exit]]:
+    """The ``--runs`` runs of a calibration, each judged by floors only and with a live reference
+    (an old golden must never shape a new one)."""
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    base = Path(args.run_dir or Path("runs") / f"calibrate-{profile.name}-"
+                f"tp{profile.tensor_parallel_size}-{stamp}").absolute()
+    for i in range(1, args.runs + 1):
+        console.print(f"[bold]calibration run {i} of {args.runs}[/]")
+        ns = argparse.Namespace(**{**vars(args), "run_dir": str(base / f"run-{i}"), "golden": "none",
+                                   "reference": "live"})
+        rec, code = run(ns)
+        yield i, rec, code
+
+
+def validate(args: argparse.Namespace) -> tuple[RunRecord, Exit] | tuple[list[preflight.Finding], Exit]:
+    """The real run: preflight, fetch (pinned, verified), image, the end-to-end script, verdict.
+    Returns the preflight findings instead of a record when preflight fails."""
+    profile = profile_for(args)
+    container = not args.no_container
+    console.print(f"[bold]profile[/] {profile.name}: {profile.description}")
+    findings = preflight.evaluate(profile, host_facts(profile, args, container), container=container)
+    if not preflight.verdict(findings):
+        return findings, Exit.PREFLIGHT
+    print_findings(findings)
+    if profile.generated:
+        target, draft = resolve_models(profile, None, None)
+    else:
+        got = hub.fetch([profile.target, profile.draft], lock_path=Path(args.lock_file),
+                        cache_dir=args.cache_dir, local_dir=args.local_dir, offline=args.offline)
+        target, draft = str(got[0].path), str(got[1].path)
+    check(profile, target, draft)
+    return run(args, profile, target, draft, container)
+
+
+def print_findings(findings: list[preflight.Finding]) -> None:
+    from rich.table import Table
+
+    table = Table(title="preflight", show_lines=False)
+    for col in ("check", "result", "what was found", "how to fix"):
+        table.add_column(col, overflow="fold")
+    colors = {preflight.OK: "green", preflight.WARN: "yellow", preflight.FAIL: "red"}
+    for f in findings:
+        table.add_row(f.check, f"[{colors[f.status]}]{f.status.upper()}[/]", f.detail, f.fix)
+    console.print(table)
+
+
+def repos(args: argparse.Namespace) -> tuple[str, str]:
+    profile = profile_for(args)
+    target = args.target_repo or profile.target
+    draft = args.draft_repo or profile.draft
+    if target.startswith(profiles.GENERATED) or draft.startswith(profiles.GENERATED):
+        raise BadInput(f"profile {profile.name} uses the generated tiny pair: nothing to fetch "
+                       "(`nox -s rehearse_tp8` builds it)")
+    return target, draft
+
+
+def fetch(args: argparse.Namespace) -> Exit:
+    """Download (or, offline, find) the profile's target and head at their pins, and verify them."""
+    target, draft = repos(args)
+    got = hub.fetch([target, draft], lock_path=Path(args.lock_file), cache_dir=args.cache_dir,
+                    local_dir=args.local_dir, offline=args.offline)
+    by_repo = {g.repo: g for g in got}
+    problems = compat.head_problems(Path(by_repo[draft].path)) + compat.tp_problems(
+        Path(by_repo[target].path), profile_for(args).tensor_parallel_size)
+    for g in got:
+        pin = "pinned" if g.pinned else "[bold yellow]UNPINNED (main)[/]"
+        console.print(f"[green]verified[/] {g.repo}@{g.revision} ({pin}): {g.files} files, "
+                      f"{g.bytes / 2**30:.2f} GiB at {g.path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([vars(g) for g in got], indent=2, default=str) + "\n")
+    if problems:
+        raise BadInput("the downloaded models would be refused:\n  - " + "\n  - ".join(problems))
+    return Exit.PASS
+
+
+def lock(args: argparse.Namespace) -> Exit:
+    """Resolve the profile's repositories at a revision and write their pins to the lock file."""
+    path = Path(args.lock_file)
+    locks = hub.load_lock(path)
+    for repo in repos(args):
+        hub.check_access(repo)
+        locks[repo] = hub.resolve(repo, args.revision)
+        console.print(f"locked {repo}@{locks[repo].revision}: {len(locks[repo].files)} files, "
+                      f"{locks[repo].total_bytes / 2**30:.2f} GiB")
+    hub.save_lock(path, locks)
+    console.print(f"wrote {path}")
+    return Exit.PASS
