@@ -110,6 +110,16 @@ def test_gated_repo_without_access_names_the_license_page(env, lock: Path, loopb
     assert r.returncode == 0, r.stderr
 
 
+def test_a_tp_size_the_config_rules_out_is_refused_before_any_shard(env, lock: Path,
+                                                                     loopback: Hub) -> None:
+    """TP=3 against 8 attention heads: the configs come first, the refusal before any weights."""
+    r = kit(env, "fetch", "--tp", "3", lock=lock)
+    assert r.returncode == kit_hub.EXIT_NOT_FOUND, r.stderr  # bad input: 2
+    assert "refused before downloading the weights" in r.stderr
+    assert "not divisible by tensor parallel size 3" in r.stderr
+    assert loopback.file_requests(SHARD) == [], "no shard was requested"
+
+
 def test_unknown_repository(env, lock: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "validate", "fetch", "--target-repo", "kit-test/nope",
                         "--draft-repo", HEAD, "--lock-file", str(lock)], env=env, capture_output=True,

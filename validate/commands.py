@@ -69,11 +69,13 @@ def resolve_models(profile: profiles.Profile, target: str | None, draft: str | N
     return target, draft
 
 
-def check(profile: profiles.Profile, target: str, draft: str) -> None:
+def check(profile: profiles.Profile, target: str, draft: str,
+          refused: str = "refused before starting any engine") -> None:
+    """What vLLM would fail on at this TP size (compat), said before anything costly."""
     problems = compat.head_problems(Path(draft)) + compat.tp_problems(
         Path(target), profile.tensor_parallel_size)
     if problems:
-        raise BadInput("refused before starting any engine:\n  - " + "\n  - ".join(problems))
+        raise BadInput(f"{refused}:\n  - " + "\n  - ".join(problems))
 
 
 def new_run(args: argparse.Namespace, profile: profiles.Profile) -> RunRecord:
@@ -315,9 +317,8 @@ def validate(args: argparse.Namespace) -> tuple[RunRecord, Exit] | tuple[list[pr
     if profile.generated:
         target, draft = resolve_models(profile, None, None)
     else:
-        got = hub.fetch([profile.target, profile.draft], lock_path=Path(args.lock_file),
-                        cache_dir=args.cache_dir, local_dir=args.local_dir, offline=args.offline)
-        target, draft = str(got[0].path), str(got[1].path)
+        got = fetch_checked(profile, profile.target, profile.draft, args)
+        target, draft = got[0].path, got[1].path
     check(profile, target, draft)
     return run(args, profile, target, draft, container)
 
@@ -344,22 +345,27 @@ def repos(args: argparse.Namespace) -> tuple[str, str]:
     return target, draft
 
 
+def fetch_checked(profile: profiles.Profile, target: str, draft: str,
+                  args: argparse.Namespace) -> list[hub.Fetched]:
+    """Fetch target and head, verified; their configs first, so that a TP size or head vLLM
+    would reject is refused before hundreds of GB are downloaded."""
+    fetch_args = dict(lock_path=Path(args.lock_file), cache_dir=args.cache_dir,
+                      local_dir=args.local_dir, offline=args.offline)
+    got = hub.fetch([target, draft], only=("config.json",), **fetch_args)
+    check(profile, got[0].path, got[1].path, refused="refused before downloading the weights")
+    return hub.fetch([target, draft], **fetch_args)
+
+
 def fetch(args: argparse.Namespace) -> Exit:
     """Download (or, offline, find) the profile's target and head at their pins, and verify them."""
     target, draft = repos(args)
-    got = hub.fetch([target, draft], lock_path=Path(args.lock_file), cache_dir=args.cache_dir,
-                    local_dir=args.local_dir, offline=args.offline)
-    by_repo = {g.repo: g for g in got}
-    problems = compat.head_problems(Path(by_repo[draft].path)) + compat.tp_problems(
-        Path(by_repo[target].path), profile_for(args).tensor_parallel_size)
+    got = fetch_checked(profile_for(args), target, draft, args)
     for g in got:
         pin = "pinned" if g.pinned else "[bold yellow]UNPINNED (main)[/]"
         console.print(f"[green]verified[/] {g.repo}@{g.revision} ({pin}): {g.files} files, "
                       f"{g.bytes / 2**30:.2f} GiB at {g.path}")
     if args.json:
         Path(args.json).write_text(json.dumps([vars(g) for g in got], indent=2, default=str) + "\n")
-    if problems:
-        raise BadInput("the downloaded models would be refused:\n  - " + "\n  - ".join(problems))
     return Exit.PASS
 
 

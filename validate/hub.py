@@ -343,8 +343,10 @@ class Fetched:
 
 
 def fetch(repos: list[str], *, lock_path: Path, cache_dir: Path | None = None,
-          local_dir: Path | None = None, offline: bool = False) -> list[Fetched]:
-    """Fetch and verify every repository in ``repos``; raises FetchError on any refusal."""
+          local_dir: Path | None = None, offline: bool = False,
+          only: tuple[str, ...] = ()) -> list[Fetched]:
+    """Fetch and verify every repository in ``repos``; raises FetchError on any refusal.
+    ``only``: just these files (the configs, checked before hundreds of GB are fetched)."""
     locks = load_lock(lock_path)
     out = []
     for repo in repos:
@@ -356,6 +358,7 @@ def fetch(repos: list[str], *, lock_path: Path, cache_dir: Path | None = None,
             if lock is None:
                 raise FetchError(f"offline: {repo} has no pin in {lock_path} and was never fetched "
                                  "on this machine; fetch it once online", EXIT_OFFLINE)
+            lock = _only(lock, only)
             folder = local_snapshot(repo, lock.revision, cache_dir=cache_dir, local_dir=sub)
             missing = [n for n in lock.files if not (folder / n).is_file()]
             if missing:
@@ -369,8 +372,9 @@ def fetch(repos: list[str], *, lock_path: Path, cache_dir: Path | None = None,
                 console.print(f"[bold yellow]UNPINNED[/]: {repo} has no pin in {lock_path}; fetched "
                               f"main = {lock.revision}. To pin it, run `python -m validate lock` and "
                               "commit the lock file.")
-            folder = download(repo, lock, cache_dir=cache_dir, local_dir=sub)
             _remember(repo, lock)
+            lock = _only(lock, only)
+            folder = download(repo, lock, cache_dir=cache_dir, local_dir=sub)
         problems = verify(repo, folder, lock)
         if problems:
             bad = [n for n, p in problems.items() if p != "missing"]
@@ -380,6 +384,12 @@ def fetch(repos: list[str], *, lock_path: Path, cache_dir: Path | None = None,
                 "the same command again to download them." if bad else ""), EXIT_VERIFY)
         out.append(Fetched(repo, str(folder), lock.revision, pinned, len(lock.files), lock.total_bytes))
     return out
+
+
+def _only(lock: RepoLock, names: tuple[str, ...]) -> RepoLock:
+    if not names:
+        return lock
+    return RepoLock(lock.revision, {n: f for n, f in lock.files.items() if n in names})
 
 
 def _remember(repo: str, lock: RepoLock) -> None:
