@@ -104,16 +104,20 @@ def _e2e_values(profile: profiles.Profile, target: str, draft: str, run_dir: str
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a CI cancel, `docker stop`, `kill`) takes the same path as Ctrl-C."""
+def _signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a CI cancel, `docker stop`, `kill`) takes the same path as Ctrl-C; and SIGINT
+    interrupts even where it was inherited as ignored (jobs started in the background by a
+    non-interactive shell, `nohup`), where Python would otherwise never see it."""
     def raise_interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, raise_interrupt)
+    old_term = signal.signal(signal.SIGTERM, raise_interrupt)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
 
 
 def on_host(rec: RunRecord, profile: profiles.Profile, target: str, draft: str,
@@ -233,8 +237,9 @@ def finish(host: RunRecord, how: str, interrupted: bool = False) -> tuple[RunRec
                                run_id=run_id)
         rec.end(ErrorKind.BROKEN, f"{problem} ({how})", where="collect")
     elif rec.data["status"] == "running":
-        running = [n for n, p in rec.data["phases"].items() if p.get("status") == "running"]
-        where = running[-1] if running else "start"
+        phases = rec.data["phases"]
+        running = [n for n, p in phases.items() if p.get("status") == "running"]
+        where = running[-1] if running else f"after {list(phases)[-1]}" if phases else "start"
         if interrupted:
             rec.end(ErrorKind.INTERRUPTED, f"interrupted during {where} ({how})", where=where)
         elif rec is host:
@@ -254,7 +259,7 @@ def run(args: argparse.Namespace, profile: profiles.Profile, target: str, draft:
     """One run: fresh folder, the end-to-end script (here or in the image), the record back."""
     host = new_run(args, profile)
     launch = in_container if container else on_host
-    with _sigterm_as_interrupt():
+    with _signals_as_interrupt():
         try:
             how = launch(host, profile, target, draft, args)
         except KeyboardInterrupt:
