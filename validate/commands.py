@@ -170,8 +170,6 @@ def in_container(rec: RunRecord, profile: profiles.Profile, target: str, draft: 
                             environment=containers.E2E_ENVIRONMENT,
                             gpus=profile.tensor_parallel_size if profile.device == "cuda" else 0,
                             timeout_s=args.timeout, log=lambda line: console.print(line, markup=False))
-    except KeyboardInterrupt:
-        raise
     except Exception as exc:  # the engine refused to start it (docker.errors.APIError, ...)
         return f"the container did not run: {str(exc)[:600]}"
     container = {"image": tag, "image_id": result.image_id, "base": base, "base_pinned": pinned,
@@ -321,10 +319,10 @@ def validate(args: argparse.Namespace) -> tuple[RunRecord, Exit] | tuple[list[pr
     print_findings(findings)
     if profile.generated:
         target, draft = resolve_models(profile, None, None)
-    else:
+        check(profile, target, draft)
+    else:  # fetch_checked refuses what vLLM would reject from the configs, before the weights
         got = fetch_checked(profile, profile.target, profile.draft, args)
         target, draft = got[0].path, got[1].path
-    check(profile, target, draft)
     return run(args, profile, target, draft, container)
 
 
