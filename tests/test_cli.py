@@ -103,3 +103,15 @@ def test_reference_golden_without_a_golden_is_refused(models, tmp_path: Path) ->
     rec = json.loads((tmp_path / "run" / "record.json").read_text())
     assert "--reference golden needs a golden" in rec["error"]["message"]
     assert list(rec["phases"]) == ["checks"]
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--profile", "maverick-tp8"], "`nox -s validate_tp8 -- --profile maverick-tp8` runs it"),
+    (["--head", "random"], "drop --head/--target/--draft"),
+], ids=["hub-profile", "head-option"])
+def test_full_rehearsal_refuses_what_it_cannot_publish(extra: list[str], says: str,
+                                                       tmp_path: Path) -> None:
+    """`rehearse --full` publishes the generated pair as it is: said before anything starts."""
+    r = _cli("rehearse", "--full", *extra, "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == Exit.BAD_INPUT and says in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()

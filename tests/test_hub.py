@@ -1,4 +1,4 @@
-"""Fetch against a real HTTP server on loopback that speaks the hub's protocol (tests/hubserver.py):
+"""Fetch against a real HTTP server on loopback that speaks the hub's protocol (validate/loopback_hub.py):
 the same huggingface_hub code paths as huggingface.co, only HF_ENDPOINT differs."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hubserver import Hub, serve
 
 from validate import hub as kit_hub
+from validate.contract import Exit
+from validate.loopback_hub import Hub, serve
 
 TARGET, HEAD = "kit-test/tiny-llama4", "kit-test/tiny-llama4-eagle"
 SHARD = "model.safetensors"
@@ -90,7 +91,9 @@ def test_fetch_downloads_verifies_and_never_downloads_twice(env, lock: Path, loo
 
 
 def test_unpinned_fetch_says_so_and_records_main(env, loopback: Hub, tmp_path: Path) -> None:
-    r = kit(env, "fetch", lock=tmp_path / "empty.lock.json")
+    empty = tmp_path / "empty.lock.json"
+    empty.write_text('{"schema": 1, "repos": {}}')
+    r = kit(env, "fetch", lock=empty)
     assert r.returncode == 0, r.stderr
     assert "UNPINNED" in r.stderr and loopback.repos[TARGET].sha in r.stderr
 
@@ -110,10 +113,15 @@ def test_gated_repo_without_access_names_the_license_page(env, lock: Path, loopb
     assert r.returncode == 0, r.stderr
 
 
-def test_a_tp_size_the_config_rules_out_is_refused_before_any_shard(env, lock: Path,
-                                                                     loopback: Hub) -> None:
-    """TP=3 against 8 attention heads: the configs come first, the refusal before any weights."""
-    r = kit(env, "fetch", "--tp", "3", lock=lock)
+@pytest.mark.parametrize("command", [["fetch"], ["validate", "--profile", "tiny", "--no-container"]],
+                         ids=["fetch", "validate"])
+def test_a_tp_size_the_config_rules_out_is_refused_before_any_shard(env, lock: Path, loopback: Hub,
+                                                                     command: list[str],
+                                                                     tmp_path: Path) -> None:
+    """TP=3 against 8 attention heads: the configs come first, the refusal before any weights
+    (`validate` goes through preflight first, then the same configs-first fetch)."""
+    run = ["--run-dir", str(tmp_path / "run")] if command[0] == "validate" else []
+    r = kit(env, *command, "--tp", "3", *run, lock=lock)
     assert r.returncode == kit_hub.EXIT_NOT_FOUND, r.stderr  # bad input: 2
     assert "refused before downloading the weights" in r.stderr
     assert "not divisible by tensor parallel size 3" in r.stderr
@@ -242,3 +250,172 @@ def test_local_dir_holds_plain_folders_and_works_offline(env, lock: Path, loopba
     dead = {**env, "HF_ENDPOINT": "http://127.0.0.1:9"}
     r = kit(dead, "fetch", "--offline", "--local-dir", str(models), lock=lock)
     assert r.returncode == 0, r.stderr
+
+
+# ---- hostile and careless inputs: nothing outside the model folder is read, written or removed
+
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Path:
+    """A folder outside every model folder, with a file a hostile lock aims at."""
+    folder = tmp_path / "outside"
+    (folder / "x").mkdir(parents=True)
+    (folder / "x" / "rel.txt").write_text("do not touch")
+    return folder
+
+
+def _sha(path: Path) -> dict[str, object]:
+    import hashlib
+
+    return {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def _hostile_locks(lock: Path, sentinel: Path) -> dict[str, tuple[str, str]]:
+    """name -> (lock file text, what the refusal names)."""
+    good = json.loads(lock.read_text())
+    target = sentinel / "x" / "rel.txt"
+
+    def with_target(**change: object) -> str:
+        data = json.loads(json.dumps(good))
+        data["repos"][TARGET].update(change)
+        return json.dumps(data)
+
+    files = good["repos"][TARGET]["files"]
+    no_sha = {n: {"size": f["size"]} for n, f in files.items()}
+    return {
+        # the sentinel's own size and sha256: before the fix these "verified" (and a mismatch
+        # deleted them)
+        "traversal": (with_target(files={**files, "../../../outside/x/rel.txt": _sha(target)}),
+                      "is not a path inside the repository"),
+        "absolute": (with_target(files={**files, str(target): _sha(target)}),
+                     "is not a path inside the repository"),
+        "bad-revision": (with_target(revision="../../../outside/x"), "is not a 40-hex commit"),
+        "not-json": ("{repos: ", "is not JSON"),
+        "repos-a-list": (json.dumps({"schema": 1, "repos": [TARGET]}), "'repos' (an object"),
+        "no-revision": (json.dumps({"schema": 1, "repos": {TARGET: {"files": files}}}),
+                        "revision None is not a 40-hex commit"),
+        "no-sha256": (with_target(files=no_sha), ".sha256: None is not a sha256"),
+        "no-files": (with_target(files={}), "a repository pinned with no files is no pin"),
+    }
+
+
+HOSTILE = ["traversal", "absolute", "bad-revision", "not-json", "repos-a-list", "no-revision",
+           "no-sha256", "no-files"]
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_hostile_or_broken_lock_is_refused_and_lock_repairs_it(env, lock: Path, loopback: Hub,
+                                                                  sentinel: Path, case: str) -> None:
+    text, says = _hostile_locks(lock, sentinel)[case]
+    before = _tree_digest(sentinel)
+    lock.write_text(text)
+    r = kit(env, "fetch", lock=lock)
+    assert r.returncode == Exit.BAD_INPUT, r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert loopback.file_requests(SHARD) == [], "refused before any download"
+    assert _tree_digest(sentinel) == before, "something outside the model folder was touched"
+    # the documented repair works on the same file: good pins kept, the broken ones rewritten
+    r = kit(env, "lock", lock=lock)
+    assert r.returncode == 0, r.stderr
+    assert kit(env, "fetch", lock=lock).returncode == 0
+    assert _tree_digest(sentinel) == before
+
+
+def test_a_hub_listing_a_name_outside_the_repository_is_refused(env, loopback: Hub, models,
+                                                                sentinel: Path,
+                                                                tmp_path: Path) -> None:
+    loopback.publish(HEAD, models.head, extra={"../../x/rel.txt": b"\0" * 64,
+                                               "../x.safetensors": b"\0" * 64})
+    before = _tree_digest(sentinel)
+    path = tmp_path / "weights.lock.json"
+    r = kit(env, "lock", lock=path)
+    assert r.returncode == Exit.BAD_INPUT, r.stderr
+    assert "is not a path inside the repository" in r.stderr and "Traceback" not in r.stderr
+    assert not path.exists(), "nothing written into the lock"
+    assert _tree_digest(sentinel) == before and not list(tmp_path.rglob("x.safetensors"))
+
+
+def test_a_link_that_leaves_the_model_folder_is_neither_read_nor_removed(
+        env, lock: Path, loopback: Hub, sentinel: Path, tmp_path: Path) -> None:
+    """A --local-dir file replaced by a link to a file outside, whose size and sha256 the lock
+    carries: not verified, not deleted, named."""
+    models = tmp_path / "models"
+    assert kit(env, "fetch", "--local-dir", str(models), lock=lock).returncode == 0
+    outside = sentinel / "x" / "rel.txt"
+    config = models / TARGET.replace("/", "--") / "config.json"
+    config.unlink()
+    config.symlink_to(outside)
+    data = json.loads(lock.read_text())
+    data["repos"][TARGET]["files"]["config.json"] = _sha(outside)
+    lock.write_text(json.dumps(data))
+    before = _tree_digest(sentinel)
+    r = kit(env, "fetch", "--offline", "--local-dir", str(models), lock=lock)
+    assert r.returncode == Exit.VERIFY_FAILED, r.stderr
+    assert "config.json: a link that leaves the model folder" in r.stderr, r.stderr
+    assert _tree_digest(sentinel) == before and config.is_symlink()
+
+
+@pytest.mark.parametrize("revision", ["../../../outside/x", "/etc", "main/../../x"])
+def test_lock_refuses_a_revision_that_is_not_a_ref(env, tmp_path: Path, sentinel: Path,
+                                                   revision: str) -> None:
+    before = _tree_digest(sentinel)
+    path = tmp_path / "weights.lock.json"
+    r = kit(env, "lock", "--revision", revision, lock=path)
+    assert r.returncode == Exit.BAD_INPUT and "is not a branch, tag or commit name" in r.stderr
+    assert not path.exists() and _tree_digest(sentinel) == before
+
+
+def test_an_explicit_lock_file_that_does_not_exist_is_an_error(env, tmp_path: Path) -> None:
+    r = kit(env, "fetch", lock=tmp_path / "weigths.lock.json")  # a typo, not "unpinned"
+    assert r.returncode == Exit.BAD_INPUT and "cannot be read" in r.stderr, r.stderr
+
+
+# ---- every hub failure: one line, its documented code, no traceback
+
+
+@pytest.mark.parametrize(("failure", "code", "says"), [
+    ("unreachable", Exit.HUB_FAILED, "could not be reached"),
+    ("401", Exit.NO_ACCESS, "the hub refused the token (401)"),
+    ("500", Exit.HUB_FAILED, "the hub answered 500"),
+    ("size-mismatch", Exit.VERIFY_FAILED, "did not match the size the hub announced"),
+    ("truncated", Exit.HUB_FAILED, "the transfer broke"),
+])
+def test_a_hub_failure_ends_with_one_line_and_its_code(env, lock: Path, loopback: Hub, failure: str,
+                                                       code: Exit, says: str, models) -> None:
+    if failure == "unreachable":
+        env = {**env, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there
+    elif failure in ("401", "500"):
+        loopback.refuse[TARGET] = int(failure)
+    elif failure == "size-mismatch":  # the hub claims a smaller shard than it sends
+        loopback.announce[SHARD] = (models.target / SHARD).stat().st_size - 1000
+    else:
+        loopback.drop_always.add(SHARD)
+    r = kit(env, "fetch", lock=lock)
+    assert r.returncode == code, r.stderr[-3000:]
+    assert says in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+
+
+def test_ctrl_c_during_a_download_stops_within_seconds_and_says_what_is_kept(
+        env, lock: Path, loopback: Hub) -> None:
+    loopback.throttle[SHARD] = 0.2  # 64 KiB per 200 ms: the shard would take about 90 s
+    proc = kit(env, "fetch", lock=lock, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(e["sent"] > 0 for e in loopback.file_requests(SHARD, TARGET)):
+        assert time.monotonic() < deadline and proc.poll() is None, "download never started"
+        time.sleep(0.05)
+    t = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    seconds = time.monotonic() - t
+    assert proc.returncode == Exit.INTERRUPTED, err[-3000:]
+    assert seconds < 10, f"took {seconds:.1f} s to stop"
+    assert "files of kit-test/tiny-llama4 are complete and kept in" in err and "Traceback" not in err

@@ -7,6 +7,8 @@ the exit codes and the end-to-end options are the contract's (``validate/contrac
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +44,13 @@ def _run_command(fn: Any) -> Any:
     """A command that ends in a run record: report it, exit with its code."""
     def run(args: argparse.Namespace) -> Exit:
         rec, code = fn(args)
-        if isinstance(rec, RunRecord):
+        if isinstance(rec, RunRecord) and getattr(args, "full", False):  # its step reported it
+            console.print(f"full rehearsal: {rec.data['status']} (the verdict above), exit "
+                          f"{int(code)}; record {rec.dir}/record.json")
+        elif isinstance(rec, RunRecord):
             report(rec)
+        elif rec is None:  # a step ended before any run record: it said why above
+            console.print(f"[bold red]no run record[/]: the step above ended with exit {int(code)}")
         else:  # preflight findings
             commands.print_findings(rec)
             console.print("[bold red]preflight failed[/]: fix the rows marked FAIL above. Without "
@@ -89,7 +96,15 @@ def refresh_pins(args: argparse.Namespace) -> Exit:
     """Pin each base image to its registry digest (containers/pins.toml)."""
     from validate import containers
 
-    containers.refresh_pins(containers.Engine(), log=console.print)
+    containers.refresh_pins(containers.Engine(), args.pins, log=console.print)
+    return Exit.PASS
+
+
+def lock_requirements(args: argparse.Namespace) -> Exit:
+    """Resolve the CPU image's requirement files into requirements/cpu-image.lock.txt."""
+    from validate import image_requirements
+
+    image_requirements.lock(args.wheelhouse, log=console.print)
     return Exit.PASS
 
 
@@ -133,6 +148,11 @@ def _image_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=7200, help="seconds before the run is stopped")
 
 
+def _repo_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-repo", default=None, help="override the profile's target repository")
+    p.add_argument("--draft-repo", default=None, help="override the profile's EAGLE head repository")
+
+
 def _rehearse_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", choices=sorted(HEADS), default=None,
                    help="with a generated pair: the distilled head (default) or a random one")
@@ -140,6 +160,9 @@ def _rehearse_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="EAGLE head folder (overrides the profile)")
     p.add_argument("--container", action="store_true",
                    help="run inside the CPU image (built through the Docker SDK) instead of here")
+    p.add_argument("--full", action="store_true",
+                   help="the real run's whole path on the tiny pair: a hub on loopback, lock, "
+                   "fetch into a Hugging Face cache, preflight, the CPU image, the container")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,10 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hub profiles: run on this host instead of the pinned image")
     _weights_options(c)
     _image_options(c)
-    c.set_defaults(func=calibrate, head=None, target=None, draft=None, container=False)
+    c.set_defaults(func=calibrate, head=None, target=None, draft=None, container=False,
+                   full=False)
 
     v = sub.add_parser("validate", help="the real run: preflight, fetch, image, end-to-end, verdict")
     _profile_option(v, "maverick-tp8")
+    _repo_options(v)
     v.add_argument("--no-container", action="store_true",
                    help="run the end-to-end script on this host (an environment with vLLM)")
     _weights_options(v)
@@ -174,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_run_command(commands.validate), head=None)
 
     pn = sub.add_parser("refresh-pins", help="pin the base images to their registry digests")
+    lr = sub.add_parser("lock-requirements",
+                        help="lock the CPU image's Python packages with hashes (needs uv)")
+    lr.add_argument("--wheelhouse", type=Path, default=None,
+                    help="resolve torch from this folder of wheels (PyTorch's index unreachable)")
+    lr.set_defaults(func=lock_requirements)
+    pn.add_argument("--pins", type=Path, default=None,
+                    help="pins file to refresh (default: containers/pins.toml)")
     pn.set_defaults(func=refresh_pins)
 
     for name, fn, what in (("fetch", commands.fetch, "download the profile's target and head at "
@@ -181,8 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("lock", commands.lock, "pin the profile's repositories (needs the hub)")):
         p = sub.add_parser(name, help=what)
         _profile_option(p, "maverick-tp8")
-        p.add_argument("--target-repo", default=None, help="override the profile's target repository")
-        p.add_argument("--draft-repo", default=None, help="override the profile's EAGLE head repository")
+        _repo_options(p)
         _weights_options(p)
         p.set_defaults(func=fn)
     sub.choices["fetch"].add_argument("--json", default=None,
@@ -195,10 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with commands.signals_as_interrupt():
+            return int(args.func(args))
     except BadInput as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return Exit.BAD_INPUT
+    except contract.EnvironmentProblem as exc:  # no Docker engine, a registry that did not answer
+        console.print(f"[bold red]error:[/] {exc}")
+        return Exit.ENVIRONMENT
+    except hub.FetchInterrupted as exc:
+        console.print(f"[red]{exc}[/]")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.exit_code)  # why: hub.FetchInterrupted (transfers still run in threads)
     except hub.FetchError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return exc.exit_code

@@ -25,7 +25,7 @@ from typing import Any
 
 from rich.console import Console
 
-from validate import compat, hub, preflight, profiles
+from validate import compat, hub, preflight, profiles, weights_lock
 from validate.contract import BadInput, BadRecord, ErrorKind, Exit, e2e_argv, exit_code
 from validate.record import RunRecord
 
@@ -78,16 +78,23 @@ def check(profile: profiles.Profile, target: str, draft: str,
         raise BadInput(f"{refused}:\n  - " + "\n  - ".join(problems))
 
 
-def new_run(args: argparse.Namespace, profile: profiles.Profile) -> RunRecord:
-    """A fresh run folder with the host's record in it (status running, a new run id). A folder
-    that already holds anything is refused: an old record must never be read as this run's."""
+def run_folder(args: argparse.Namespace, profile: profiles.Profile, kind: str = "") -> Path:
+    """The run's folder: ``--run-dir``, else ``runs/<profile>-tp<N>[-<kind>]-<time>``. One that
+    already holds anything is refused: an old record must never be read as this run's."""
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    head = f"-{args.head}-head" if getattr(args, "head", None) else ""
-    name = f"{profile.name}-tp{profile.tensor_parallel_size}"
-    run_dir = Path(args.run_dir or Path("runs") / f"{name}{head}-{stamp}").absolute()
+    kind = kind or (f"{args.head}-head" if getattr(args, "head", None) else "")
+    name = f"{profile.name}-tp{profile.tensor_parallel_size}" + (f"-{kind}" if kind else "")
+    run_dir = Path(args.run_dir or Path("runs") / f"{name}-{stamp}").absolute()
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise BadInput(f"run folder {run_dir} is not empty; choose a new --run-dir (or move that "
                        "one aside): its record must not be mistaken for this run's")
+    return run_dir
+
+
+def new_run(args: argparse.Namespace, profile: profiles.Profile) -> RunRecord:
+    """A fresh run folder with the host's record in it (status running, a new run id)."""
+    run_dir = run_folder(args, profile)
+    name = f"{profile.name}-tp{profile.tensor_parallel_size}"
     try:
         return RunRecord.create(run_dir, profile=profile.to_dict(), name=name,
                                 run_id=uuid.uuid4().hex[:12])
@@ -104,7 +111,7 @@ def _e2e_values(profile: profiles.Profile, target: str, draft: str, run_dir: str
 
 
 @contextmanager
-def _signals_as_interrupt() -> Iterator[None]:
+def signals_as_interrupt() -> Iterator[None]:
     """SIGTERM (a CI cancel, `docker stop`, `kill`) takes the same path as Ctrl-C; and SIGINT
     interrupts even where it was inherited as ignored (jobs started in the background by a
     non-interactive shell, `nohup`), where Python would otherwise never see it."""
@@ -160,7 +167,10 @@ def in_container(rec: RunRecord, profile: profiles.Profile, target: str, draft: 
     from validate import containers
 
     engine = containers.Engine()
-    tag, base, pinned = image(engine, args, profile.device)
+    try:
+        tag, base, pinned = image(engine, args, profile.device)
+    except containers.ContainerError as exc:  # a failed build: said, recorded, no engine started
+        return f"the image could not be built: {str(exc)[:600]}"
     mounts, inside = containers.e2e_mounts(rec.dir, {"target": target, "draft": draft})
     argv = e2e_argv(_e2e_values(profile, inside["target"], inside["draft"], containers.RUN_FOLDER,
                                 args, rec.data["run_id"]))
@@ -173,7 +183,9 @@ def in_container(rec: RunRecord, profile: profiles.Profile, target: str, draft: 
     except Exception as exc:  # the engine refused to start it (docker.errors.APIError, ...)
         return f"the container did not run: {str(exc)[:600]}"
     container = {"image": tag, "image_id": result.image_id, "base": base, "base_pinned": pinned,
-                 "exit_code": result.exit_code, "timed_out": result.exit_code is None}
+                 "exit_code": result.exit_code, "timed_out": result.exit_code is None,
+                 "user": result.user, "ipc": result.host_config["IpcMode"],
+                 "mounts": result.host_config["Binds"]}
     _merge(rec.dir, container=container)
     if result.exit_code is None:
         return f"the container ran past --timeout {args.timeout:.0f} s and was stopped"
@@ -255,9 +267,13 @@ def finish(host: RunRecord, how: str, interrupted: bool = False) -> tuple[RunRec
 def run(args: argparse.Namespace, profile: profiles.Profile, target: str, draft: str,
         container: bool) -> tuple[RunRecord, Exit]:
     """One run: fresh folder, the end-to-end script (here or in the image), the record back."""
+    if container:  # no Docker engine, no run folder: said before anything is started
+        from validate import containers
+
+        containers.Engine()
     host = new_run(args, profile)
     launch = in_container if container else on_host
-    with _signals_as_interrupt():
+    with signals_as_interrupt():
         try:
             how = launch(host, profile, target, draft, args)
         except KeyboardInterrupt:
@@ -271,9 +287,111 @@ def rehearse(args: argparse.Namespace) -> tuple[RunRecord, Exit]:
     profile = profile_for(args)
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}; "
                   f"TP={profile.tensor_parallel_size}")
+    if args.full:
+        return rehearse_full(args)
     target, draft = resolve_models(profile, args.target, args.draft, args.head)
     check(profile, target, draft)
     return run(args, profile, target, draft, args.container)
+
+
+# The tiny pair as ``rehearse --full`` publishes it on the loopback hub.
+FULL_REPOS = {"target": "kit-rehearsal/tiny-llama4", "head": "kit-rehearsal/tiny-llama4-eagle"}
+
+
+def rehearse_full(args: argparse.Namespace) -> tuple[RunRecord | None, Exit]:
+    """The real run's flow on the tiny pair: every step of ``validate`` except the device.
+
+    The pair is published as two gated repositories on a Hugging Face hub on loopback, started
+    here; then, exactly as a user runs them, ``python -m validate lock`` pins them and ``python -m
+    validate validate`` takes them through preflight, the configs-first fetch into a Hugging Face
+    cache (its symlinked layout), verification, the CPU image and the container run, and reports
+    the verdict. The token (HF_TOKEN, else one made for this run) is the only one the hub
+    accepts; it stays on the host. Returns the run's record (None where none was written).
+    """
+    import secrets
+    import shutil
+    import tempfile
+
+    from validate import loopback_hub
+
+    profile = profile_for(args)
+    if not profile.generated:
+        raise BadInput(f"--full rehearses the real run on the generated tiny pair; profile "
+                       f"{profile.name} has hub models: `nox -s validate_tp8 -- --profile "
+                       f"{profile.name}` runs it")
+    if args.head or args.target or args.draft:
+        raise BadInput("--full publishes the generated pair as it is: drop --head/--target/--draft")
+    run_dir = run_folder(args, profile, kind="full")
+    pair = _generated_pair()
+    check(profile, str(pair / "target"), str(pair / "head"))
+    token = os.environ.get("HF_TOKEN") or f"hf_rehearsal{secrets.token_hex(16)}"
+    manifest = (pair / "pair.json").read_bytes()  # the weights' identity, for the goldens
+    work = Path(tempfile.mkdtemp(prefix="full-rehearsal-", dir=hub.state_dir()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    with loopback_hub.serving(loopback_hub.Hub()) as fake:
+        for role, repo in FULL_REPOS.items():
+            fake.publish(repo, pair / role, gated=True, allowed_tokens={token},
+                         extra={"pair.json": manifest})
+        env.update(HF_ENDPOINT=fake.url, HF_HOME=str(work / "hf"), HF_TOKEN=token,
+                   HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
+        console.print(f"[bold]full rehearsal[/]: the tiny pair published at {fake.url} as "
+                      f"{FULL_REPOS['target']} and {FULL_REPOS['head']} (gated); cache {work / 'hf'}")
+        repos = ["--target-repo", FULL_REPOS["target"], "--draft-repo", FULL_REPOS["head"],
+                 "--lock-file", str(work / "weights.lock.json")]
+        sized = [f"--{k}={v}" for k, v in (("tp", args.tp), ("num-prompts", args.num_prompts),
+                                            ("max-tokens", args.max_tokens)) if v is not None]
+        steps = [["lock", "--profile", profile.name, *repos],
+                 ["validate", "--profile", profile.name, *sized, *repos, "--run-dir", str(run_dir),
+                  *_passed_on(args)]]
+        try:
+            for step in steps:
+                console.print(f"[bold]$ python -m validate {shlex.join(step)}[/]")
+                code = _child([sys.executable, "-m", "validate", *step], env)
+                if code != Exit.PASS:
+                    break
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    ended = Exit(code) if code in {int(c) for c in Exit} else Exit.BROKEN
+    try:
+        rec = RunRecord.load(run_dir)
+    except BadRecord:
+        return None, ended
+    # REPRODUCE.md names this command: the steps' lock file and cache were this run's own
+    argv = " ".join(["python -m validate", *(shlex.quote(a) for a in sys.argv[1:])])
+    rec.update(invocation={**rec.data.get("invocation", {}), "argv": argv,
+                           "steps": ["python -m validate " + shlex.join(s) for s in steps]})
+    rec.write_reports()
+    return rec, ended
+
+
+def _passed_on(args: argparse.Namespace) -> list[str]:
+    """The verdict and image options of this command, for ``validate``."""
+    out = []
+    for flag in ("--golden", "--reference", "--base-image", "--ca-bundle", "--wheelhouse",
+                 "--build-network", "--timeout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out.append(f"{flag}={value}")
+    return out
+
+
+def _child(argv: list[str], env: dict[str, str]) -> int:
+    """Run a step of the flow; Ctrl-C or SIGTERM here is passed on to it once (it records the
+    interruption and stops its container), and its exit code is the step's. Its own session: a
+    terminal's Ctrl-C reaches it only through here, never twice."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    with signals_as_interrupt():
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            console.print("[red]interrupted[/]: passing it on to the running step")
+            proc.send_signal(signal.SIGINT)
+            try:
+                return proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                return Exit.INTERRUPTED
 
 
 def host_facts(profile: profiles.Profile, args: argparse.Namespace,
@@ -311,6 +429,8 @@ def validate(args: argparse.Namespace) -> tuple[RunRecord, Exit] | tuple[list[pr
     """The real run: preflight, fetch (pinned, verified), image, the end-to-end script, verdict.
     Returns the preflight findings instead of a record when preflight fails."""
     profile = profile_for(args)
+    if getattr(args, "target_repo", None) or getattr(args, "draft_repo", None):
+        profile = profile.with_overrides(target=args.target_repo, draft=args.draft_repo)
     container = not args.no_container
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}")
     findings = preflight.evaluate(profile, host_facts(profile, args, container), container=container)
@@ -375,7 +495,10 @@ def fetch(args: argparse.Namespace) -> Exit:
 def lock(args: argparse.Namespace) -> Exit:
     """Resolve the profile's repositories at a revision and write their pins to the lock file."""
     path = Path(args.lock_file)
-    locks = hub.load_lock(path)
+    # A broken lock must never stop its own repair: good pins are kept, broken ones rewritten.
+    locks, problems = weights_lock.load(path, strict=False) if path.exists() else ({}, [])
+    for problem in problems:
+        console.print(f"[bold yellow]dropping a broken pin[/]: {problem}")
     for repo in repos(args):
         hub.check_access(repo)
         locks[repo] = hub.resolve(repo, args.revision)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -23,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from validate.contract import EnvironmentProblem
+from validate.record import atomic_write
+
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINERS = ROOT / "containers"
 PINS = CONTAINERS / "pins.toml"
@@ -30,14 +34,26 @@ KIT_FILES = ["pyproject.toml", "README.md", "requirements", "validate"]
 IMAGE_REPO = "llama4-eagle-validate"
 
 
-class ContainerError(RuntimeError):
-    pass
+class ContainerError(EnvironmentProblem):
+    """No engine, a failed build, a registry that gave no digest: the environment's fault."""
 
 
 # What the end-to-end script's container gets: the run folder writable, each model folder
-# read-only, no network, no token (weights are read from disk; the token stays on the host).
+# read-only, no network, no token (weights are read from disk; the token stays on the host). It
+# runs as the invoking user (the run folder's files are theirs), who has no home in the image:
+# HOME and USER point torch's and vLLM's caches (inductor keys its folder by getpass.getuser())
+# into the container's /tmp, which is gone with the container.
 RUN_FOLDER = "/run-record"
-E2E_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+E2E_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
+                   "USER": "kit", "LOGNAME": "kit"}
+# Without GPUs the container keeps a private IPC namespace; vLLM's CPU workers exchange tensors
+# through /dev/shm (64 MB by default in Docker: too small for TP=8), so it gets this much.
+CPU_SHM_BYTES = 2 << 30
+
+
+def invoking_user() -> str:
+    """``uid:gid`` of whoever runs the kit: the container runs as them."""
+    return f"{os.getuid()}:{os.getgid()}"
 
 
 def model_mount(path: str | Path, role: str) -> tuple[str, str, str]:
@@ -70,8 +86,15 @@ def e2e_mounts(run_dir: Path, models: dict[str, str]) -> tuple[dict[str, tuple[s
     return mounts, inside
 
 
-def pins() -> dict[str, dict[str, str]]:
-    return tomllib.loads(PINS.read_text())
+def pins(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    return tomllib.loads(Path(path or PINS).read_text())
+
+
+def repository(reference: str) -> str:
+    """``reference`` without its tag or digest (a registry's port is not a tag)."""
+    name = reference.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]
 
 
 def base_reference(kind: str, override: str | None = None) -> tuple[str, bool]:
@@ -80,27 +103,72 @@ def base_reference(kind: str, override: str | None = None) -> tuple[str, bool]:
         return override, "@sha256:" in override
     pin = pins()[kind]
     if pin.get("digest"):
-        return f"{pin['base'].split(':')[0]}@{pin['digest']}", True
+        return f"{repository(pin['base'])}@{pin['digest']}", True
     return pin["base"], False
 
 
-def refresh_pins(engine: Engine, log: Callable[[str], None] = print) -> dict[str, str]:
-    """Ask the registry for each base's current digest and write it into ``pins.toml``.
+def apt_packages(kind: str, path: Path | None = None) -> str:
+    """``pkg=version ...`` of the kind's pinned Debian packages ("" where it pins none)."""
+    pin = pins(path).get(kind, {})
+    return " ".join(f"{name}={version}" for name, version in pin.get("apt", {}).items())
 
-    Needs a registry (Docker Hub); written by hand as a text edit so the file's comments stay.
+
+def apt_candidates(engine: Engine, image: str, packages: list[str]) -> dict[str, str]:
+    """The version apt would install of each package in ``image`` today (its archive's)."""
+    script = f"apt-get update -qq >/dev/null && apt-cache policy {' '.join(packages)}"
+    out = engine.client.containers.run(image, ["sh", "-c", script], network_mode="host",
+                                       remove=True).decode()
+    found = dict(re.findall(r"^(\S+):\n\s+Installed: .*\n\s+Candidate: (\S+)", out, re.M))
+    missing = [p for p in packages if found.get(p) in (None, "(none)")]
+    if missing:
+        raise ContainerError(f"apt in {image} knows no version of {', '.join(missing)}")
+    return {p: found[p] for p in packages}
+
+
+def refresh_pins(engine: Engine, path: Path | None = None,
+                 log: Callable[[str], None] = print) -> dict[str, tuple[str, str]]:
+    """Ask the registry for each base's current digest and write it into the pins file.
+
+    Returns {kind: (old digest, new digest)} of what changed; an unchanged file is not rewritten.
+    tomlkit edits the document in place, so the file's comments and layout stay.
     """
-    import re
+    import docker
+    import tomlkit
 
-    text = PINS.read_text()
-    got = {}
-    for kind, pin in pins().items():
-        digest = engine.client.images.get_registry_data(pin["base"]).id
-        got[kind] = digest
-        section = re.compile(rf"(\[{kind}\][^\[]*?digest = )\"[^\"]*\"", re.S)
-        text = section.sub(lambda m, d=digest: f'{m.group(1)}"{d}"', text, count=1)
-        log(f"{kind}: {pin['base']} -> {digest}")
-    PINS.write_text(text)
-    return got
+    path = Path(path or PINS)
+    doc = tomlkit.parse(path.read_text())
+    changed: dict[str, tuple[str, str]] = {}
+    for kind, pin in doc.items():
+        if not isinstance(pin, dict) or "base" not in pin:
+            continue
+        ref = str(pin["base"])
+        try:
+            digest = engine.client.images.get_registry_data(ref).id
+        except docker.errors.APIError as exc:
+            raise ContainerError(f"{kind}: the registry gave no digest for {ref} "
+                                 f"({str(exc).splitlines()[0][:200]}); is it reachable from the "
+                                 "Docker engine, and does the tag exist?") from exc
+        old = str(pin.get("digest", ""))
+        if old == digest:
+            log(f"{kind}: {ref} unchanged ({digest})")
+        else:
+            pin["digest"] = digest
+            changed[kind] = (old, digest)
+            log(f"{kind}: {ref} {old or 'unpinned'} -> {digest}")
+        if "apt" in pin:  # the Debian packages the Dockerfile installs, at the new base's versions
+            apt = pin["apt"]
+            for name, version in apt_candidates(engine, f"{repository(ref)}@{digest}",
+                                                list(apt)).items():
+                if str(apt[name]) != version:
+                    log(f"{kind}: apt {name} {apt[name] or 'unpinned'} -> {version}")
+                    changed[f"{kind}.apt.{name}"] = (str(apt[name]), version)
+                    apt[name] = version
+    if changed:
+        atomic_write(path, tomlkit.dumps(doc))
+        log(f"wrote {path}: {len(changed)} pin(s) changed")
+    else:
+        log(f"{path}: no change")
+    return changed
 
 
 def _files(paths: list[Path]) -> Iterator[Path]:
@@ -128,6 +196,8 @@ class RunResult:
     exit_code: int | None  # None: timed out
     image: str
     image_id: str
+    host_config: dict[str, Any]  # as the engine applied it (user, IPC, mounts), for the record
+    user: str
 
 
 class Engine:
@@ -163,6 +233,8 @@ class Engine:
         """Build ``containers/<kind>/Dockerfile`` on ``base``; return the tag. Skipped (a few ms) when
         an image with the same input hash exists."""
         buildargs = {"BASE_IMAGE": base}
+        if apt := apt_packages(kind):
+            buildargs["APT_PACKAGES"] = apt
         oci = {"org.opencontainers.image.title": f"{IMAGE_REPO}-{kind}",
                "org.opencontainers.image.version": labels.get("kit_version", "unknown"),
                "org.opencontainers.image.revision": labels.get("git_commit", "unknown"),
@@ -170,7 +242,9 @@ class Engine:
                "org.opencontainers.image.base.digest": labels.get("base_digest", "unpinned"),
                "io.vllm.version": labels.get("vllm_version", "unknown")}
         extra = [p for p in (ca_bundle, wheelhouse) if p]
-        tag = f"{IMAGE_REPO}/{kind}:{input_hash(kind, {**buildargs, **oci}, extra)}"
+        # What the base reference resolves to here: a tag that moved makes a new image.
+        resolved = {"BASE_IMAGE_ID": self._base_id(base, log)}
+        tag = f"{IMAGE_REPO}/{kind}:{input_hash(kind, {**buildargs, **oci, **resolved}, extra)}"
         if self.image_exists(tag):
             log(f"image {tag} is up to date (inputs unchanged): not rebuilt")
             return tag
@@ -186,6 +260,22 @@ class Engine:
                 if "error" in event:
                     raise ContainerError(f"building {tag} failed: {event['error'].strip()}")
         return tag
+
+    def _base_id(self, base: str, log: Callable[[str], None]) -> str:
+        """The local image id of ``base``, pulled first if it is not here; "unresolved" when no
+        registry answers (the build then fails naming the base)."""
+        import docker
+
+        try:
+            return self.client.images.get(base).id
+        except docker.errors.ImageNotFound:
+            pass
+        try:
+            log(f"pulling the base {base}")
+            return self.client.images.pull(base).id
+        except docker.errors.APIError as exc:
+            log(f"could not pull {base}: {str(exc).splitlines()[0][:200]}")
+            return "unresolved"
 
     @contextmanager
     def _context(self, kind: str, ca_bundle: Path | None, wheelhouse: Path | None) -> Iterator[Path]:
@@ -213,17 +303,22 @@ class Engine:
 
     def run(self, tag: str, command: list[str], *, mounts: dict[str, tuple[str, str]],
             environment: dict[str, str], gpus: int = 0, timeout_s: float = 7200,
-            network: str = "none", log: Callable[[str], None] = print) -> RunResult:
-        """Run ``command`` in ``tag``; stream its logs; remove the container whatever happens."""
+            network: str = "none", user: str | None = None,
+            log: Callable[[str], None] = print) -> RunResult:
+        """Run ``command`` in ``tag`` as ``user`` (default: the invoking user); stream its logs;
+        remove the container whatever happens (Ctrl-C and SIGTERM included)."""
         import docker
         from docker.types import DeviceRequest, Ulimit
 
+        user = user or invoking_user()
         kwargs: dict[str, Any] = dict(
-            command=command, environment=environment, network_mode=network,
+            command=command, environment=environment, network_mode=network, user=user,
             volumes={host: {"bind": dst, "mode": mode} for host, (dst, mode) in mounts.items()},
-            ipc_mode="host",  # NCCL / vLLM's TP workers share memory through /dev/shm
         )
-        if gpus:
+        if not gpus:
+            kwargs["shm_size"] = CPU_SHM_BYTES
+        else:
+            kwargs["ipc_mode"] = "host"  # NCCL between the GPUs' ranks shares memory through it
             kwargs["device_requests"] = [DeviceRequest(count=gpus, capabilities=[["gpu"]])]
             # what vLLM's docs ask of GPU containers (pinned memory for NCCL, deep stacks)
             kwargs["ulimits"] = [Ulimit(name="memlock", soft=-1, hard=-1),
@@ -231,6 +326,8 @@ class Engine:
         container = self.client.containers.create(tag, **kwargs)
         try:
             container.start()
+            applied = {k: container.attrs["HostConfig"].get(k)
+                       for k in ("IpcMode", "ShmSize", "NetworkMode", "Binds", "ReadonlyRootfs")}
 
             def pump() -> None:
                 for chunk in container.logs(stream=True, follow=True):
@@ -253,7 +350,7 @@ class Engine:
                 container.stop(timeout=30)
                 code = None
             t.join(timeout=10)
-            return RunResult(code, tag, container.image.id)
+            return RunResult(code, tag, container.image.id, applied, user)
         finally:
             try:
                 container.remove(force=True)

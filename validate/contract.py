@@ -32,6 +32,7 @@ class Exit(enum.IntEnum):
     VERIFY_FAILED = 7
     OFFLINE_MISSING = 8
     PREFLIGHT = 9
+    HUB_FAILED = 10
     INTERRUPTED = 130
 
     @property
@@ -51,6 +52,7 @@ _MEANINGS = {
     Exit.VERIFY_FAILED: "fetch: a file failed verification against the lock",
     Exit.OFFLINE_MISSING: "fetch: offline and files are missing",
     Exit.PREFLIGHT: "preflight failed: the host does not meet the profile's needs",
+    Exit.HUB_FAILED: "fetch: the hub could not be reached, or it answered with an error",
     Exit.INTERRUPTED: "interrupted (Ctrl-C or SIGTERM)",
 }
 

@@ -19,13 +19,15 @@ same code paths as huggingface.co.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -33,14 +35,15 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-from validate import profiles
+from validate import profiles, weights_lock
 from validate.contract import Exit
 from validate.record import atomic_write
+from validate.weights_lock import RepoLock, check_commit, check_repo, safe_name
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 EXIT_NOT_FOUND, EXIT_ACCESS, EXIT_DISK = Exit.BAD_INPUT, Exit.NO_ACCESS, Exit.NO_DISK
-EXIT_VERIFY, EXIT_OFFLINE = Exit.VERIFY_FAILED, Exit.OFFLINE_MISSING
+EXIT_VERIFY, EXIT_OFFLINE, EXIT_HUB = Exit.VERIFY_FAILED, Exit.OFFLINE_MISSING, Exit.HUB_FAILED
 DISK_MARGIN_FRACTION = 0.05
 DISK_MARGIN_BYTES = 1 << 30
 HASH_BLOCK = 8 << 20
@@ -54,14 +57,13 @@ class FetchError(Exception):
         self.exit_code = exit_code
 
 
-@dataclass
-class RepoLock:
-    revision: str
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # path -> {size, sha256}
+class FetchInterrupted(FetchError):
+    """Ctrl-C (or SIGTERM) during a download. The transfers in flight still run in
+    huggingface_hub's worker threads, which the interpreter would join before exiting (minutes
+    for a 5 GB shard): the caller ends the process at once (``os._exit``) after saying this."""
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(f["size"] for f in self.files.values())
+    def __init__(self, message: str) -> None:
+        super().__init__(message, Exit.INTERRUPTED)
 
 
 def default_lock_path() -> Path:
@@ -75,15 +77,11 @@ def state_dir() -> Path:
 
 
 def load_lock(path: Path) -> dict[str, RepoLock]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    return {repo: RepoLock(**entry) for repo, entry in data.get("repos", {}).items()}
+    """The lock file's pins, checked (weights_lock.BadLock names the field and the fix)."""
+    return weights_lock.load(path)[0]
 
 
-def save_lock(path: Path, locks: dict[str, RepoLock]) -> None:
-    data = {"repos": {repo: asdict(lock) for repo, lock in sorted(locks.items())}}
-    atomic_write(path, json.dumps(data, indent=2) + "\n")
+save_lock = weights_lock.save
 
 
 def _endpoint() -> str:
@@ -102,6 +100,7 @@ def _hub_errors(repo: str, revision: str | None, exc: Exception) -> FetchError:
     """Turn huggingface_hub's errors into refusals a contributor can act on."""
     from huggingface_hub.errors import (
         GatedRepoError,
+        HfHubHTTPError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -123,9 +122,34 @@ def _hub_errors(repo: str, revision: str | None, exc: Exception) -> FetchError:
                           "cannot see it); check the repository id in validate/data/profiles.toml",
                           EXIT_NOT_FOUND)
     if isinstance(exc, LocalEntryNotFoundError):
-        return FetchError(f"{repo}: the hub could not be reached and nothing is on disk ({exc})",
+        return FetchError(f"{repo}: the hub at {_endpoint()} could not be reached and the files "
+                          f"are not on disk ({_first_line(exc)}); check the network or HF_ENDPOINT",
                           EXIT_OFFLINE)
-    raise exc
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        status = exc.response.status_code
+        if status in (401, 403):
+            return FetchError(f"{repo}: the hub refused the token ({status}): it is invalid, "
+                              f"expired or lacks read access; make a new one at {_endpoint()}/"
+                              "settings/tokens and `export HF_TOKEN=hf_...`", EXIT_ACCESS)
+        return FetchError(f"{repo}: the hub answered {status} ({_first_line(exc)}); try again "
+                          "later", EXIT_HUB)
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return FetchError(f"{repo}: the disk filled up during the download ({exc.filename or ''}); "
+                          "free space and run the same command again (finished files are kept)",
+                          EXIT_DISK)
+    if "Consistency check failed" in str(exc):  # huggingface_hub: bytes != the size announced
+        return FetchError(f"{repo}: a transfer did not match the size the hub announced "
+                          f"({_first_line(exc)}); nothing was kept of it; run the same command "
+                          "again", EXIT_VERIFY)
+    # httpx's transport errors (refused, reset, timed out, broken mid-transfer), and anything
+    # else huggingface_hub raises: one line, never a traceback
+    return FetchError(f"{repo}: the hub at {_endpoint()} could not be reached or the transfer "
+                      f"broke ({type(exc).__name__}: {_first_line(exc)}); check the network or "
+                      "HF_ENDPOINT and run the same command again", EXIT_HUB)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
 
 
 def check_access(repo: str) -> None:
@@ -149,13 +173,17 @@ def resolve(repo: str, revision: str = "main") -> RepoLock:
 
     api = HfApi()
     allow, ignore = profiles.fetch_patterns()
+    check_repo(repo, "repository")
+    weights_lock.check_ref(revision)
     try:
         sha = api.repo_info(repo, revision=revision).sha
-        assert sha
         tree = [f for f in api.list_repo_tree(repo, revision=sha, recursive=True)
                 if isinstance(f, RepoFile)]
     except Exception as exc:
         raise _hub_errors(repo, revision, exc) from exc
+    check_commit(sha, f"the hub's answer for {repo}@{revision}")
+    for f in tree:  # a hostile or broken hub must not put a path outside the folder in the lock
+        safe_name(f.path, f"the hub's file list of {repo}@{sha[:12]}")
     wanted = set(filter_repo_objects([f.path for f in tree], allow_patterns=allow,
                                      ignore_patterns=ignore))
     lock = RepoLock(revision=sha)
@@ -165,7 +193,10 @@ def resolve(repo: str, revision: str = "main") -> RepoLock:
         if f.lfs is not None:
             lock.files[f.path] = {"size": f.lfs.size, "sha256": f.lfs.sha256}
         else:
-            local = hf_hub_download(repo, f.path, revision=sha)
+            try:
+                local = hf_hub_download(repo, f.path, revision=sha)
+            except Exception as exc:
+                raise _hub_errors(repo, sha, exc) from exc
             lock.files[f.path] = {"size": f.size, "sha256": sha256_file(Path(local))}
     return lock
 
@@ -234,11 +265,39 @@ def download(repo: str, lock: RepoLock, *, cache_dir: Path | None, local_dir: Pa
         check_disk(download_root(cache_dir, local_dir), needed)
         console.print(f"{repo}@{lock.revision[:12]}: {len(files)} files, {_gib(lock.total_bytes)}; "
                       f"{_gib(needed)} to download")
-        return Path(snapshot_download(repo, max_workers=8, **kwargs))
+        try:
+            return Path(_interruptible(snapshot_download, repo, max_workers=8, **kwargs))
+        except KeyboardInterrupt:
+            folder = local_snapshot(repo, lock.revision, cache_dir=cache_dir, local_dir=local_dir)
+            kept = sum((folder / n).is_file() for n in files)
+            raise FetchInterrupted(
+                f"interrupted: {kept} of {len(files)} files of {repo} are complete and kept in "
+                f"{folder}; the files in flight start again (from their beginning) when you run "
+                "the same command") from None
     except FetchError:
         raise
     except Exception as exc:
         raise _hub_errors(repo, lock.revision, exc) from exc
+
+
+def _interruptible(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn`` in a daemon thread, so the main thread sees Ctrl-C at once: huggingface_hub's own
+    pool would otherwise wait for every running transfer before the interrupt is raised."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=work, name="kit-download", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.2)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def local_snapshot(repo: str, revision: str, *, cache_dir: Path | None,
@@ -280,7 +339,9 @@ def verify(repo: str, folder: Path, lock: RepoLock) -> dict[str, str]:
     todo: list[str] = []
     for name, want in lock.files.items():
         p = folder / name
-        if not p.is_file():
+        if (p.is_symlink() or p.exists()) and not _inside(folder, p):
+            problems[name] = "a link that leaves the model folder (not read, not removed)"
+        elif not p.is_file():
             problems[name] = "missing"
         elif p.stat().st_size != want["size"]:
             problems[name] = f"size {p.stat().st_size} != locked {want['size']}"
@@ -314,17 +375,34 @@ def verify(repo: str, folder: Path, lock: RepoLock) -> dict[str, str]:
     return problems
 
 
+def _root(folder: Path) -> Path:
+    """What a model folder's files may resolve into: the whole repository folder for a cache
+    snapshot (its files are links into ../../blobs), else the folder itself."""
+    folder = Path(folder).absolute()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.resolve()
+    return folder.resolve()
+
+
+def _inside(folder: Path, path: Path) -> bool:
+    """``path`` (a lock file's name under ``folder``), links followed, stays in the folder."""
+    return path.resolve().is_relative_to(_root(folder))
+
+
 def discard(folder: Path, names: Iterable[str]) -> None:
     """Remove corrupted files (the cache's link and its blob) so nothing bad looks complete and
-    the next fetch downloads them again."""
+    the next fetch downloads them again. Only what lies inside the model folder is removed; a
+    name that is not a path inside it is refused (lock names are checked on load already)."""
     for name in names:
-        p = folder / name
+        p = folder / safe_name(name, f"file to remove from {folder}")
+        if not _inside(folder, p):
+            continue  # a link out of the folder: its target is not ours to delete
         if p.is_symlink():
             target = p.resolve()
             p.unlink()
-            if target.exists():
+            if target.is_file():
                 target.unlink()
-        elif p.exists():
+        elif p.is_file():
             p.unlink()
 
 
@@ -350,6 +428,7 @@ def fetch(repos: list[str], *, lock_path: Path, cache_dir: Path | None = None,
     locks = load_lock(lock_path)
     out = []
     for repo in repos:
+        check_repo(repo, "repository")
         sub = Path(local_dir) / repo.replace("/", "--") if local_dir else None
         lock = locks.get(repo)
         pinned = lock is not None
@@ -377,7 +456,7 @@ def fetch(repos: list[str], *, lock_path: Path, cache_dir: Path | None = None,
             folder = download(repo, lock, cache_dir=cache_dir, local_dir=sub)
         problems = verify(repo, folder, lock)
         if problems:
-            bad = [n for n, p in problems.items() if p != "missing"]
+            bad = [n for n, p in problems.items() if p != "missing" and not p.startswith("a link")]
             discard(folder, bad)
             raise FetchError(f"{repo}@{lock.revision[:12]} failed verification: " + "; ".join(
                 f"{n}: {p}" for n, p in problems.items()) + (". The bad files were removed: run "

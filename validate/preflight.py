@@ -134,7 +134,8 @@ def evaluate(profile: Profile, facts: HostFacts, *, container: bool = True) -> l
                            f"{profile.device} (GPU checks waived)"))
     if facts.shm_bytes is not None:
         if facts.shm_bytes >= MIN_SHM_BYTES or container:
-            note = " (the container runs with ipc=host)" if container else ""
+            note = ("" if not container else " (the GPU container shares it: ipc=host)"
+                    if profile.device == "cuda" else " (the container gets a /dev/shm of its own)")
             out.append(Finding("shared memory", OK, f"/dev/shm {facts.shm_bytes / 2**30:.1f} GiB{note}"))
         else:
             out.append(Finding("shared memory", WARN, f"/dev/shm is {facts.shm_bytes / 2**20:.0f} MiB",

@@ -57,19 +57,35 @@ def _resolve(profile: profiles.Profile, option: str | None, field: str) -> str:
     return value
 
 
+def _pair_manifest(model_dir: str) -> Path | None:
+    """The tiny pair's manifest for one of its models: beside it where the kit generated it,
+    inside it where ``rehearse --full`` published the model on its loopback hub and fetched it."""
+    path = Path(model_dir)
+    for manifest in (path.parent / "pair.json", path / "pair.json"):
+        if manifest.is_file():
+            return manifest
+    return None
+
+
 def _revision(model_dir: str) -> str | None:
-    """The commit a model folder holds: from the Hugging Face cache layout (``snapshots/<sha>``),
-    from huggingface_hub's ``--local-dir`` metadata, or the tiny pair's fingerprint."""
+    """What a model folder holds: the tiny pair's fingerprint (its weights' identity, wherever
+    they were copied or fetched to), else the commit from the Hugging Face cache layout
+    (``snapshots/<sha>``) or from huggingface_hub's ``--local-dir`` metadata."""
     path = Path(model_dir).resolve()
+    if manifest := _pair_manifest(model_dir):
+        return "generated:" + json.loads(manifest.read_text())["fingerprint"]
     if m := re.search(r"/snapshots/([0-9a-f]{40})(/|$)", str(Path(model_dir).absolute())):
         return m.group(1)
     meta = path / ".cache" / "huggingface" / "download" / "config.json.metadata"
     if meta.is_file():
         return meta.read_text().splitlines()[0].strip()
-    pair = path.parent / "pair.json"
-    if pair.is_file():
-        return "generated:" + json.loads(pair.read_text())["fingerprint"]
     return None
+
+
+def _snapshot(model_dir: str) -> str | None:
+    """The hub commit of a model folder in the Hugging Face cache layout, if it is one."""
+    m = re.search(r"/snapshots/([0-9a-f]{40})(/|$)", str(Path(model_dir).absolute()))
+    return m.group(1) if m else None
 
 
 def _explain(cmp: metrics.Comparison, acc: metrics.Acceptance, verdict: metrics.Verdict) -> str:
@@ -86,7 +102,7 @@ def _weights_digest(model_dir: str) -> str | None:
     and another CPU can round it differently, so a golden names the exact weights it measured.
     Hub models are pinned by their commit (and verified by ``fetch``) instead."""
     path = Path(model_dir)
-    if not (path.parent / "pair.json").is_file():
+    if _pair_manifest(model_dir) is None:
         return None
     h = hashlib.sha256()
     for f in sorted(path.glob("*.safetensors")):
@@ -131,7 +147,8 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
             models = {"target": target, "draft": draft,
                       "target_revision": _revision(target), "draft_revision": _revision(draft),
                       "target_weights": _weights_digest(target),
-                      "draft_weights": _weights_digest(draft)}
+                      "draft_weights": _weights_digest(draft),
+                      "target_snapshot": _snapshot(target), "draft_snapshot": _snapshot(draft)}
             rec.update(models=models)
             problems = compat.head_problems(Path(draft)) + compat.tp_problems(
                 Path(target), profile.tensor_parallel_size)

@@ -1,5 +1,9 @@
 """A Hugging Face hub on loopback, speaking the hub's HTTP protocol to huggingface_hub.
 
+Host side. ``rehearse --full`` publishes the tiny pair on it and takes the real run's path (lock,
+fetch into the Hugging Face cache, verify) through the same huggingface_hub calls as
+huggingface.co; the fetch tests use it with their own repositories. Only ``HF_ENDPOINT`` differs.
+
 Written by hand because no maintained package serves it offline: olah (a hub mirror) answered 401
 for local mirrors in offline mode and gives no file sizes or sha256 (FACTS.md). This serves what
 ``snapshot_download`` / ``hf_hub_download`` / ``HfApi.auth_check`` ask for (huggingface_hub 2.x):
@@ -15,7 +19,9 @@ for local mirrors in offline mode and gives no file sizes or sha256 (FACTS.md). 
 Repositories are folders on disk published at a made-up commit sha. Every file request is logged
 (path, Range start, bytes sent) so tests can see what was (not) downloaded again; ``throttle``
 slows one file down so a test can interrupt a download in the middle; ``drop_once`` breaks one
-transfer of a file after some bytes, as a flaky network does.
+transfer of a file after some bytes, as a flaky network does; ``drop_always`` breaks every one,
+``refuse`` answers every request for a repository with an HTTP error, ``announce`` claims
+another size for a file than the bytes it sends.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import json
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -48,12 +56,19 @@ class Hub:
     log: list[dict[str, Any]] = field(default_factory=list)
     throttle: dict[str, float] = field(default_factory=dict)  # path -> seconds per 64 KiB chunk
     drop_once: dict[str, int] = field(default_factory=dict)  # path -> close the connection after N bytes
+    drop_always: set[str] = field(default_factory=set)  # paths whose every transfer breaks at once
+    refuse: dict[str, int] = field(default_factory=dict)  # repo -> HTTP status of every answer
+    announce: dict[str, int] = field(default_factory=dict)  # path -> size the hub claims it has
     url: str = ""
 
     def publish(self, repo_id: str, folder: Path, *, gated: bool = False,
-                allowed_tokens: set[str] | None = None) -> str:
+                allowed_tokens: set[str] | None = None,
+                extra: dict[str, bytes] | None = None) -> str:
+        """Serve ``folder``'s files (plus ``extra``: name -> bytes) as ``repo_id`` at a commit sha
+        derived from their content; returns the sha."""
         files = {p.relative_to(folder).as_posix(): p.read_bytes()
                  for p in sorted(folder.rglob("*")) if p.is_file()}
+        files.update(extra or {})
         h = hashlib.sha1(repo_id.encode())
         for name, data in files.items():
             h.update(name.encode() + hashlib.sha256(data).digest())
@@ -96,6 +111,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _repo(self, repo_id: str) -> Repo | None:
         repo = self.hub.repos.get(repo_id)
+        if status := self.hub.refuse.get(repo_id):
+            self._error(status, "", f"refused with {status} (loopback hub's refuse)")
+            return None
         if repo is None:
             self._error(404, "RepoNotFound", "Repository not found")
             return None
@@ -154,7 +172,8 @@ class _Handler(BaseHTTPRequestHandler):
         for name, data in repo.files.items():
             e: dict[str, Any] = {"type": "file", "path": name, "size": len(data), "oid": _blob_oid(data)}
             if name.endswith(LFS_SUFFIXES):
-                e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                size = self.hub.announce.get(name, len(data))
+                e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": size, "pointerSize": 134}
             entries.append(e)
         self._send(200, json.dumps(entries).encode())
 
@@ -164,7 +183,8 @@ class _Handler(BaseHTTPRequestHandler):
         etag = hashlib.sha256(data).hexdigest() if lfs else _blob_oid(data)
         headers = {"X-Repo-Commit": repo.sha, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if lfs:
-            headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(data))})
+            size = self.hub.announce.get(name, len(data))
+            headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(size)})
         start = 0
         if (rng := self.headers.get("Range")) and (m := re.match(r"bytes=(\d+)-", rng)):
             start = int(m.group(1))
@@ -184,7 +204,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command == "HEAD":
             return
         delay = self.hub.throttle.get(name, 0.0)
-        drop = self.hub.drop_once.pop(name, None)
+        drop = 0 if name in self.hub.drop_always else self.hub.drop_once.pop(name, None)
         try:
             for i in range(0, len(body), 65536):
                 if drop is not None and entry["sent"] >= drop:
@@ -208,3 +228,15 @@ def serve(hub: Hub) -> tuple[ThreadingHTTPServer, threading.Thread]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     return server, thread
+
+
+@contextmanager
+def serving(hub: Hub) -> Iterator[Hub]:
+    """``hub`` served on a free loopback port (``hub.url``) for the block's duration."""
+    server, thread = serve(hub)
+    try:
+        yield hub
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
