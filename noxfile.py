@@ -83,6 +83,24 @@ def ablations(session: nox.Session) -> None:
     session.run(engine_python(session), "-m", "validate.ablations", *session.posargs)
 
 
+@nox.session(venv_backend="none")
+def compare(session: nox.Session) -> None:
+    """The pinned release beside your change to vLLM: REGRESSION, OK or IMPROVED (a table).
+
+    `nox -s compare -- --vllm-patch change.patch --tp 2`
+    """
+    session.run(engine_python(session), "-m", "validate", "compare", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def sensitivity(session: nox.Session) -> None:
+    """Apply each breakage of vLLM's Llama-4 EAGLE path and show the verdict catches it (a table).
+
+    `nox -s sensitivity -- --tp 2 --only head-input-order`
+    """
+    session.run(engine_python(session), "-m", "validate", "sensitivity", *session.posargs)
+
+
 @nox.session
 def validate_tp8(session: nox.Session) -> None:
     """The real run on 8 GPUs: preflight, pinned weights, pinned CUDA image, end-to-end, verdict.

@@ -19,7 +19,8 @@ from validate import cli, contract
 
 PIPELINE = ROOT / ".buildkite" / "pipeline.yml"
 SESSION_TO_COMMAND = {"rehearse_tp8": "rehearse", "validate_tp8": "validate", "fetch": "fetch",
-                      "lock": "lock", "refresh_pins": "refresh-pins"}
+                      "lock": "lock", "refresh_pins": "refresh-pins", "compare": "compare",
+                      "sensitivity": "sensitivity", "lock_requirements": "lock-requirements"}
 
 
 def _check_jsonschema(path: Path) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,8 @@ TESTS = Path(__file__).parent
 HOST_MODULES = ("validate.cli", "validate.commands", "validate.contract", "validate.hub",
                 "validate.containers", "validate.preflight", "validate.record", "validate.goldens",
                 "validate.metrics", "validate.profiles", "validate.compat", "validate.prompts",
-                "validate.weights_lock", "validate.loopback_hub")
+                "validate.weights_lock", "validate.loopback_hub", "validate.vllm_change",
+                "validate.compare", "validate.sensitivity", "validate.image_requirements")
 
 
 def test_host_side_imports_leave_torch_and_vllm_out() -> None:

@@ -185,3 +185,28 @@ def test_tp_invariance_reports_a_sharded_run_below_the_tp1_golden() -> None:
                            golden=tp8_golden, tp_reference=tp1)
     assert not any("sharding bug" in r for r in near.reasons), near.reasons
     assert any(r.startswith("TP invariance (reported, not gated): mean") for r in near.reasons)
+
+
+def _figures(mean: float, rates: list[float], se: float = 0.02, hard: int = 0):
+    from validate.metrics import Figures
+
+    return Figures(mean, se, rates, [0.01] * len(rates), hard)
+
+
+def test_compare_change_regression_ok_improved() -> None:
+    """The change beside the release: below by more than 3 combined standard errors anywhere is
+    REGRESSION, a new hard divergence too; within is OK; above overall is IMPROVED."""
+    from validate.metrics import compare_change
+
+    base = _figures(3.0, [0.8, 0.7, 0.5])
+    assert compare_change(base, _figures(3.0, [0.8, 0.7, 0.5]), sigmas=3).word == "OK"
+    assert compare_change(base, _figures(2.95, [0.79, 0.69, 0.47]), sigmas=3).word == "OK"
+    low = compare_change(base, _figures(2.8, [0.8, 0.7, 0.5]), sigmas=3)
+    assert low.word == "REGRESSION" and "mean acceptance length 2.800" in low.reasons[0]
+    late = compare_change(base, _figures(3.0, [0.8, 0.7, 0.4]), sigmas=3)  # one position only
+    assert late.word == "REGRESSION" and "position 3 rate" in late.reasons[0]
+    hard = compare_change(base, _figures(3.0, [0.8, 0.7, 0.5], hard=2), sigmas=3)
+    assert hard.word == "REGRESSION" and hard.new_hard == 2
+    assert compare_change(base, _figures(3.2, [0.85, 0.75, 0.6]), sigmas=3).word == "IMPROVED"
+    tol = compare_change(base, base, sigmas=3).rows[0]["tolerance"]
+    assert abs(tol - 3 * (2 * 0.02 ** 2) ** 0.5) < 1e-12

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.panel import Panel
 
 from validate import commands, contract, hub, profiles
@@ -100,6 +101,55 @@ def refresh_pins(args: argparse.Namespace) -> Exit:
     return Exit.PASS
 
 
+def compare(args: argparse.Namespace) -> Exit:
+    """The pinned release beside a change: REGRESSION, OK or IMPROVED."""
+    from rich.table import Table
+
+    from validate import compare as flow
+
+    report, code = flow.run(args, log=lambda line: console.print(line, markup=False))
+    table = Table(title=f"compare: the release (baseline) and the change (candidate), TP="
+                  f"{report['profile']['tensor_parallel_size']}")
+    for col in ("figure", "baseline", "candidate", "delta", "tolerance", ""):
+        table.add_column(col)
+    for r in report["rows"]:
+        table.add_row(r["what"], f"{r['baseline']:.3f}", f"{r['candidate']:.3f}",
+                      f"{r['delta']:+.3f}", f"{r['tolerance']:.3f}", r["beyond"])
+    for t in report["times"]:
+        table.add_row(f"{t['phase']} (s)", str(t["baseline"]), str(t["candidate"]), "", "", "")
+    console.print(table)
+    style = {"REGRESSION": "bold red", "OK": "green", "IMPROVED": "bold green"}[report["verdict"]]
+    console.print(f"[{style}]{report['verdict']}[/]: " + escape("; ".join(report["reasons"])))
+    return code
+
+
+def sensitivity(args: argparse.Namespace) -> Exit:
+    """The catalogue of breakages of vLLM's Llama-4 EAGLE path, each through --vllm-patch."""
+    from rich.table import Table
+
+    from validate import sensitivity as suite
+
+    outcomes, code = suite.run(args, log=lambda line: console.print(line, markup=False))
+    table = Table(title="sensitivity: every breakage must FAIL or ERROR; the release and the "
+                  "controls PASS")
+    for col in ("change", "place", "expected", "mean acceptance", "hard", "verdict", "seconds",
+                "why"):
+        table.add_column(col, overflow="fold")
+    for o in outcomes:
+        acc = "-" if o.mean_acceptance is None else f"{o.mean_acceptance:.3f}"
+        table.add_row(o.name, o.place, "PASS" if o.expect == "pass" else "FAIL/ERROR", acc,
+                      "-" if o.hard is None else str(o.hard),
+                      f"[{'green' if o.ok else 'bold red'}]{o.verdict}[/]", f"{o.seconds:.0f}",
+                      escape(o.detail))
+    console.print(table)
+    wrong = [o.name for o in outcomes if not o.ok]
+    if code == Exit.PASS:
+        console.print(f"[green]all {len(outcomes) - 1} changes judged as expected[/]")
+    elif wrong:
+        console.print(f"[bold red]not as expected[/]: {', '.join(wrong)}")
+    return code
+
+
 def lock_requirements(args: argparse.Namespace) -> Exit:
     """Resolve the CPU image's requirement files into requirements/cpu-image.lock.txt."""
     from validate import image_requirements
@@ -148,6 +198,19 @@ def _image_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=7200, help="seconds before the run is stopped")
 
 
+def _change_options(p: argparse.ArgumentParser, required: bool = False) -> None:
+    g = p.add_argument_group("the vLLM under test (default: the installed release)")
+    x = g.add_mutually_exclusive_group(required=required)
+    x.add_argument("--vllm-patch", default=None, metavar="FILE",
+                   help="a unified diff of vLLM's Python files (`git diff`), applied as an overlay "
+                   "on the installed build")
+    x.add_argument("--vllm-source", default=None, metavar="PATH",
+                   help="a vLLM checkout: its Python changes against the pinned release, overlaid "
+                   "on the installed build (a change to compiled code is refused)")
+    x.add_argument("--vllm-wheel", default=None, metavar="PATH",
+                   help="a vLLM wheel built elsewhere, for this Python and platform")
+
+
 def _repo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-repo", default=None, help="override the profile's target repository")
     p.add_argument("--draft-repo", default=None, help="override the profile's EAGLE head repository")
@@ -160,6 +223,7 @@ def _rehearse_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="EAGLE head folder (overrides the profile)")
     p.add_argument("--container", action="store_true",
                    help="run inside the CPU image (built through the Docker SDK) instead of here")
+    _change_options(p)
     p.add_argument("--full", action="store_true",
                    help="the real run's whole path on the tiny pair: a hub on loopback, lock, "
                    "fetch into a Hugging Face cache, preflight, the CPU image, the container")
@@ -187,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     _weights_options(c)
     _image_options(c)
     c.set_defaults(func=calibrate, head=None, target=None, draft=None, container=False,
-                   full=False)
+                   full=False, vllm_patch=None, vllm_source=None, vllm_wheel=None)
 
     v = sub.add_parser("validate", help="the real run: preflight, fetch, image, end-to-end, verdict")
     _profile_option(v, "maverick-tp8")
@@ -199,6 +263,26 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_run_command(commands.validate), head=None)
 
     pn = sub.add_parser("refresh-pins", help="pin the base images to their registry digests")
+    cm = sub.add_parser("compare", help="the pinned release beside a change to vLLM, same "
+                        "machine and profile: REGRESSION, OK or IMPROVED")
+    _change_options(cm, required=True)
+    cm.add_argument("--tp", type=int, default=2, help="tensor parallel size (default: 2)")
+    cm.add_argument("--num-prompts", type=int, default=None)
+    cm.add_argument("--max-tokens", type=int, default=None)
+    cm.add_argument("--run-dir", default=None, help="folder for the two runs")
+    cm.add_argument("--baseline-golden", default=None, metavar="FILE",
+                    help="take the release's figures and reference outputs from this golden "
+                    "(an earlier compare's golden.json, or calibrate's) instead of running it")
+    cm.set_defaults(func=compare)
+    se = sub.add_parser("sensitivity", help="apply each breakage of vLLM's Llama-4 EAGLE path "
+                        "(validate/data/breakages/) and show the verdict catches it")
+    se.add_argument("--tp", type=int, default=2, help="tensor parallel size (default: 2)")
+    se.add_argument("--num-prompts", type=int, default=None)
+    se.add_argument("--max-tokens", type=int, default=None)
+    se.add_argument("--run-dir", default=None, help="folder for the suite's runs")
+    se.add_argument("--only", action="append", default=None, metavar="NAME",
+                    help="run only this breakage (repeatable)")
+    se.set_defaults(func=sensitivity)
     lr = sub.add_parser("lock-requirements",
                         help="lock the CPU image's Python packages with hashes (needs uv)")
     lr.add_argument("--wheelhouse", type=Path, default=None,

@@ -24,9 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
-from validate import compat, hub, preflight, profiles, weights_lock
-from validate.contract import BadInput, BadRecord, ErrorKind, Exit, e2e_argv, exit_code
+from validate import compat, hub, preflight, profiles, vllm_change, weights_lock
+from validate.contract import (
+    BadInput,
+    BadRecord,
+    EnvironmentProblem,
+    ErrorKind,
+    Exit,
+    e2e_argv,
+    exit_code,
+)
 from validate.record import RunRecord
 
 HEADS = {"trained": "generated:head", "random": "generated:random-head"}
@@ -131,10 +140,12 @@ def on_host(rec: RunRecord, profile: profiles.Profile, target: str, draft: str,
             args: argparse.Namespace) -> str:
     """Run the end-to-end script here; returns how it ended, for the record if it wrote none."""
     argv = e2e_argv(_e2e_values(profile, target, draft, str(rec.dir), args, rec.data["run_id"]))
+    change = getattr(args, "vllm_under_test", None) or _release()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(vllm_change.cache_env(change) if change else {})}
     # Its own process group: a signal meant for the run reaches the script and vLLM's workers
     # together, and whatever is left of the group when the script ends is ended with it.
-    proc = subprocess.Popen([sys.executable, "-m", "validate.e2e", *argv],
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "validate.e2e", *argv], env=env,
+                            start_new_session=True)
     try:
         code = proc.wait()
     except KeyboardInterrupt:
@@ -148,8 +159,18 @@ def on_host(rec: RunRecord, profile: profiles.Profile, target: str, draft: str,
         raise
     finally:
         _signal_group(proc.pid, signal.SIGKILL)  # orphaned workers of a killed script
+        if change:
+            _merge(rec.dir, vllm_under_test=change.to_dict())
     return f"the end-to-end script exited {code}" + (
         f" (killed by signal {-code}: out of memory, or killed from outside?)" if code < 0 else "")
+
+
+def _release() -> vllm_change.VllmUnderTest | None:
+    """The release installed here (None where vLLM is missing: the engine side says so)."""
+    try:
+        return vllm_change.release(sys.executable)
+    except EnvironmentProblem:
+        return None
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -287,8 +308,16 @@ def rehearse(args: argparse.Namespace) -> tuple[RunRecord, Exit]:
     profile = profile_for(args)
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}; "
                   f"TP={profile.tensor_parallel_size}")
+    if (args.container or args.full) and vllm_change.passed_on(args):
+        raise BadInput(f"{vllm_change.passed_on(args)[0]} runs the rehearsal on this host for now "
+                       "(an image layer for a change is not built yet): drop --container/--full")
     if args.full:
         return rehearse_full(args)
+    # before anything is generated or started: a change that cannot work is refused here
+    if change := vllm_change.from_args(args, sys.executable):
+        args.vllm_under_test = change
+        console.print(f"[bold]vLLM under test[/]: {escape(change.describe())}; overlay "
+                      f"{change.overlay}")
     target, draft = resolve_models(profile, args.target, args.draft, args.head)
     check(profile, target, draft)
     return run(args, profile, target, draft, args.container)
@@ -442,6 +471,7 @@ def validate(args: argparse.Namespace) -> tuple[RunRecord, Exit] | tuple[list[pr
         check(profile, target, draft)
     else:  # fetch_checked refuses what vLLM would reject from the configs, before the weights
         got = fetch_checked(profile, profile.target, profile.draft, args)
+        say_fetched(got)
         target, draft = got[0].path, got[1].path
     return run(args, profile, target, draft, container)
 
@@ -479,14 +509,18 @@ def fetch_checked(profile: profiles.Profile, target: str, draft: str,
     return hub.fetch([target, draft], **fetch_args)
 
 
-def fetch(args: argparse.Namespace) -> Exit:
-    """Download (or, offline, find) the profile's target and head at their pins, and verify them."""
-    target, draft = repos(args)
-    got = fetch_checked(profile_for(args), target, draft, args)
+def say_fetched(got: list[hub.Fetched]) -> None:
     for g in got:
         pin = "pinned" if g.pinned else "[bold yellow]UNPINNED (main)[/]"
         console.print(f"[green]verified[/] {g.repo}@{g.revision} ({pin}): {g.files} files, "
                       f"{g.bytes / 2**30:.2f} GiB at {g.path}")
+
+
+def fetch(args: argparse.Namespace) -> Exit:
+    """Download (or, offline, find) the profile's target and head at their pins, and verify them."""
+    target, draft = repos(args)
+    got = fetch_checked(profile_for(args), target, draft, args)
+    say_fetched(got)
     if args.json:
         Path(args.json).write_text(json.dumps([vars(g) for g in got], indent=2, default=str) + "\n")
     return Exit.PASS

@@ -33,6 +33,7 @@ class Exit(enum.IntEnum):
     OFFLINE_MISSING = 8
     PREFLIGHT = 9
     HUB_FAILED = 10
+    REGRESSION = 11
     INTERRUPTED = 130
 
     @property
@@ -53,6 +54,8 @@ _MEANINGS = {
     Exit.OFFLINE_MISSING: "fetch: offline and files are missing",
     Exit.PREFLIGHT: "preflight failed: the host does not meet the profile's needs",
     Exit.HUB_FAILED: "fetch: the hub could not be reached, or it answered with an error",
+    Exit.REGRESSION: "compare: REGRESSION (the change lowers acceptance beyond tolerance or adds "
+                     "hard divergences)",
     Exit.INTERRUPTED: "interrupted (Ctrl-C or SIGTERM)",
 }
 

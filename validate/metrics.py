@@ -401,3 +401,75 @@ def verdict(comparison: Comparison, acceptance: Acceptance, *, min_mean_acceptan
                            "sharded, which a tensor-parallel sharding bug would do (not gated yet: "
                            "on CPU, TP=8 measured 3% below TP=1 with a sound vLLM, docs/verdict.md)")
     return Verdict(passed=ok_out and ok_acc, reasons=reasons, calibrated=golden is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# a candidate vLLM beside a baseline: REGRESSION, OK or IMPROVED
+
+
+@dataclass
+class Figures:
+    """What a comparison of two vLLMs reads from each side: a run, or a golden."""
+
+    mean: float
+    se: float
+    rates: list[float]
+    rate_se: list[float]
+    hard: int
+
+    @classmethod
+    def of_run(cls, acceptance: dict[str, Any], hard: int) -> Figures:
+        acc = Acceptance.from_dict(acceptance)
+        return cls(acc.mean_acceptance_length, acc.standard_error, acc.per_position_rate,
+                   acc.per_position_standard_error, hard)
+
+    @classmethod
+    def of_golden(cls, golden: dict[str, Any]) -> Figures:
+        """A golden's means and standard errors (its runs had no hard divergence: make refuses)."""
+        acc = golden["acceptance"]
+        pos = acc["per_position_rate"]
+        return cls(acc["mean_acceptance_length"]["mean"], acc["mean_acceptance_length"]["standard_error"],
+                   [p["mean"] for p in pos], [p["standard_error"] for p in pos], 0)
+
+
+@dataclass
+class ChangeVerdict:
+    word: str  # REGRESSION, OK or IMPROVED
+    rows: list[dict[str, Any]]  # what, baseline, candidate, delta, tolerance, beyond
+    new_hard: int
+    reasons: list[str]
+
+
+def compare_change(baseline: Figures, candidate: Figures, *, sigmas: float) -> ChangeVerdict:
+    """The candidate beside the baseline, both measured with the same reference outputs.
+
+    A difference counts only beyond ``sigmas`` standard errors of the difference of two
+    independent estimates (sqrt(se_b^2 + se_c^2)), overall and per draft position. REGRESSION:
+    any figure below the baseline beyond that, or hard divergences the baseline did not have;
+    IMPROVED: the mean above it beyond that and nothing below; else OK.
+    """
+    rows = [{"what": "mean acceptance length", "baseline": baseline.mean,
+             "candidate": candidate.mean, "tolerance": sigmas * math.hypot(baseline.se, candidate.se)}]
+    for i, (b, c, sb, sc) in enumerate(zip(baseline.rates, candidate.rates, baseline.rate_se,
+                                           candidate.rate_se, strict=True)):
+        rows.append({"what": f"position {i + 1} rate", "baseline": b, "candidate": c,
+                     "tolerance": sigmas * math.hypot(sb, sc)})
+    reasons = []
+    for r in rows:
+        r["delta"] = r["candidate"] - r["baseline"]
+        r["beyond"] = "below" if r["delta"] < -r["tolerance"] else \
+            "above" if r["delta"] > r["tolerance"] else ""
+        if r["beyond"] == "below":
+            reasons.append(f"{r['what']} {r['candidate']:.3f} < baseline {r['baseline']:.3f} - "
+                           f"{r['tolerance']:.3f}")
+    new_hard = max(candidate.hard - baseline.hard, 0)
+    if new_hard:
+        reasons.append(f"{new_hard} hard divergence(s) the baseline does not have")
+    if reasons:
+        return ChangeVerdict("REGRESSION", rows, new_hard, reasons)
+    if rows[0]["beyond"] == "above":
+        return ChangeVerdict("IMPROVED", rows, 0, [f"mean acceptance length "
+                                                  f"{rows[0]['candidate']:.3f} > baseline "
+                                                  f"{rows[0]['baseline']:.3f} + "
+                                                  f"{rows[0]['tolerance']:.3f}"])
+    return ChangeVerdict("OK", rows, 0, ["every figure within its tolerance of the baseline"])

