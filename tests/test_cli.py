@@ -115,3 +115,18 @@ def test_full_rehearsal_refuses_what_it_cannot_publish(extra: list[str], says: s
     r = _cli("rehearse", "--full", *extra, "--run-dir", str(tmp_path / "run"))
     assert r.returncode == Exit.BAD_INPUT and says in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
+
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--num-prompts", "0"], "a verdict needs at least one prompt"),
+    (["--max-tokens", "0"], "a verdict needs at least one token"),
+    (["--max-tokens", "4096"], "leaves no room for the prompt in the profile's max_model_len 1024"),
+    (["--tp", "0"], "the tensor parallel size is at least 1"),
+], ids=["no-prompts", "no-tokens", "tokens-beyond-model-len", "tp-0"])
+def test_sizes_that_cannot_give_a_verdict_are_refused_before_any_engine(
+        extra: list[str], says: str, tmp_path: Path) -> None:
+    """Before: --num-prompts 0 started two engines and FAILed, blaming the head."""
+    r = _cli("rehearse", *extra, "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == Exit.BAD_INPUT and says in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()

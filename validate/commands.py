@@ -47,8 +47,11 @@ def profile_for(args: argparse.Namespace) -> profiles.Profile:
         profile = profiles.get(args.profile)
     except profiles.UnknownProfile as exc:
         raise BadInput(str(exc)) from exc
-    return profile.with_overrides(tensor_parallel_size=args.tp, num_prompts=args.num_prompts,
-                                  max_tokens=args.max_tokens)
+    profile = profile.with_overrides(tensor_parallel_size=args.tp, num_prompts=args.num_prompts,
+                                     max_tokens=args.max_tokens)
+    if problems := profile.problems():
+        raise BadInput("; ".join(problems))
+    return profile
 
 
 def _generated_pair() -> Path:

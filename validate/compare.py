@@ -57,6 +57,8 @@ def sized_profile(args: argparse.Namespace) -> tuple[profiles.Profile, list[str]
     profile = profiles.get("tiny").with_overrides(tensor_parallel_size=args.tp,
                                                   num_prompts=args.num_prompts,
                                                   max_tokens=args.max_tokens)
+    if problems := profile.problems():
+        raise BadInput("; ".join(problems))
     return profile, ["--tp", str(profile.tensor_parallel_size), "--num-prompts",
                      str(profile.num_prompts), "--max-tokens", str(profile.max_tokens)]
 

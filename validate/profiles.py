@@ -48,6 +48,21 @@ class Profile:
         """A copy with the given fields replaced (``None`` values are ignored)."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
+    def problems(self) -> list[str]:
+        """What makes this profile (with its overrides) unable to give a verdict: said before
+        any engine starts, instead of a FAIL that would blame the head."""
+        out = []
+        if self.tensor_parallel_size < 1:
+            out.append(f"--tp {self.tensor_parallel_size}: the tensor parallel size is at least 1")
+        if self.num_prompts < 1:
+            out.append(f"--num-prompts {self.num_prompts}: a verdict needs at least one prompt")
+        if self.max_tokens < 1:
+            out.append(f"--max-tokens {self.max_tokens}: a verdict needs at least one token")
+        elif self.max_tokens >= self.max_model_len:
+            out.append(f"--max-tokens {self.max_tokens} leaves no room for the prompt in the "
+                       f"profile's max_model_len {self.max_model_len}")
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
