@@ -144,8 +144,11 @@ def from_patch(patch: Path, python: str) -> VllmUnderTest:
 
 def _build_overlay(package: Path, patch: Path, overlay: Path, meta: dict[str, object]) -> None:
     def apply(tree: Path) -> None:
+        # git apply outside any repository (the overlay may lie inside one, e.g. a CI checkout's
+        # .nox): paths and messages stay the patch's own, vllm/...
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
         r = subprocess.run(["git", "apply", "--verbose", str(patch.resolve())], cwd=tree,
-                           capture_output=True, text=True, check=False)
+                           capture_output=True, text=True, check=False, env=env)
         if r.returncode != 0:
             failed = [line for line in r.stderr.splitlines()
                       if line.startswith("error:") and "while searching for" not in line]
