@@ -58,6 +58,19 @@ def host_rehearsal_tp8(pair) -> tuple[int, dict, str]:
     return r.returncode, json.loads((run / "record.json").read_text()), r.stdout + r.stderr
 
 
+@pytest.fixture(scope="session")
+def sensitivity_suite(pair, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+    """`nox -s sensitivity` as a user runs it (the release, then every breakage of the catalogue,
+    TP=2), once per test run: its golden also serves `compare --baseline-golden`.
+    (exit code, output, the suite's folder)."""
+    pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
+    run = tmp_path_factory.mktemp("sensitivity") / "suite"
+    r = subprocess.run(["nox", "-s", "sensitivity", "--", "--run-dir", str(run)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=3600, check=False)
+    assert (run / "sensitivity.json").is_file(), (r.stdout + r.stderr)[-4000:]
+    return r.returncode, r.stdout + r.stderr, run
+
+
 # Wall time per test file, printed at the end of every run: CI's budget (30 minutes on 2 cores) is
 # kept by knowing which file spends it. pytest's --durations lists single tests only.
 _FILE_SECONDS: dict[str, float] = {}

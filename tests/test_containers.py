@@ -146,8 +146,8 @@ def test_full_rehearsal_passes_through_hub_cache_image_and_container(
     run = tmp_path / "run"
     env = {**os.environ, "DOCKER_HOST": docker_host, "HF_TOKEN": CANARY}
     r = subprocess.run(["nox", "-s", "rehearse_tp8", "--", "--full", "--run-dir", str(run),
-                        *_image_args(base_image)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=3600, check=False)
+                        "--vllm-patch", str(HARMLESS), *_image_args(base_image)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=3600, check=False)
     output = r.stdout + r.stderr
     with capsys.disabled():  # the CI log shows the verdict of the full path
         print("\n" + "\n".join(output.splitlines()[-14:]))
@@ -177,6 +177,13 @@ def test_full_rehearsal_passes_through_hub_cache_image_and_container(
     for f in run.iterdir():
         assert f.stat().st_uid == os.getuid(), f"{f.name} is not the invoking user's"
     assert _docker(docker_host, "ps", "-aq").strip() == "", "the container was removed"
+    # the change under review ran as a layer on the pinned image, tagged by its hash
+    under = rec["vllm_under_test"]
+    assert under["kind"] == "patch" and under["image"] == container["image"], under
+    assert container["image"].endswith(under["key"]) and under["key"] in output
+    assert _layer_file(docker_host, container["image"], LLAMA4_EAGLE).count(COMMENT) == 1
+    assert COMMENT not in _layer_file(docker_host, container["image"].removesuffix(
+        "-" + under["key"]), LLAMA4_EAGLE), "the pinned image itself is untouched"
     # the token is in none of: the image's history, its config, the output, the run's files
     image = container["image"]
     history = _docker(docker_host, "history", "--no-trunc", image)
@@ -220,6 +227,55 @@ def test_interrupted_130_during_a_container_run(docker_host: str, base_image: st
     assert rec["error"]["where"].startswith("reference_engine"), rec["error"]
     assert '<error type="' in (run / "junit.xml").read_text()
     assert _docker(docker_host, "ps", "-aq").strip() == "", "the container was removed"
+
+
+HARMLESS = ROOT / "validate" / "data" / "breakages" / "comment-only.patch"
+BREAKING = ROOT / "validate" / "data" / "breakages" / "head-input-order.patch"
+COMMENT = "# the head's input: the token's embedding, then the target's hidden state"
+LLAMA4_EAGLE = "vllm/model_executor/models/llama4_eagle.py"
+
+
+def _layer_file(docker_host: str, image: str, path: str) -> str:
+    """A file of the image's installed vLLM package, as the image holds it."""
+    code = (f"import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('vllm')"
+            f".submodule_search_locations[0], {path.removeprefix('vllm/')!r}).read_text())")
+    return _docker(docker_host, "run", "--rm", "--network", "none", image, "python3", "-c", code)
+
+
+@pytest.mark.e2e
+def test_a_change_runs_in_the_container_as_a_layer_and_is_judged(docker_host: str, base_image: str,
+                                                                 pair, tmp_path: Path) -> None:
+    """`rehearse --container --vllm-patch`: the head's input order swapped in the image's own
+    vLLM, as a layer tagged by the patch's hash, FAILs on acceptance; a patch that does not apply
+    to the image's vLLM is refused (exit 2, recorded) before any engine or container runs it."""
+    env = {**os.environ, "DOCKER_HOST": docker_host}
+    small = ["--container", "--tp", "1", "--num-prompts", "10", "--golden", "none",
+             *_image_args(base_image)]
+    run = tmp_path / "broken"
+    r = subprocess.run([sys.executable, "-m", "validate", "rehearse", *small, "--vllm-patch",
+                        str(BREAKING), "--run-dir", str(run)], env=env, capture_output=True,
+                       text=True, timeout=1800, check=False)
+    assert r.returncode == Exit.FAIL, (r.stdout + r.stderr)[-4000:]
+    rec = json.loads((run / "record.json").read_text())
+    under = rec["vllm_under_test"]
+    assert under["kind"] == "patch" and under["files_changed"] == [LLAMA4_EAGLE], under
+    assert rec["container"]["image"] == under["image"] and under["image"].endswith(under["key"])
+    assert under["cache_root"].endswith(under["key"]), "its compile caches are its own"
+    assert rec["acceptance"]["mean_acceptance_length"] < 1.5, rec["acceptance"]
+    assert "torch.cat((hidden_states, inputs_embeds)" in _layer_file(docker_host, under["image"],
+                                                                    LLAMA4_EAGLE)
+    stale = tmp_path / "stale.patch"
+    stale.write_text(BREAKING.read_text().replace("inputs_embeds = self.embed_input_ids(input_ids)",
+                                                  "inputs_embeds = self.embed(input_ids)"))
+    run = tmp_path / "stale"
+    r = subprocess.run([sys.executable, "-m", "validate", "rehearse", *small, "--vllm-patch",
+                        str(stale), "--run-dir", str(run)], env=env, capture_output=True,
+                       text=True, timeout=900, check=False)
+    assert r.returncode == Exit.BAD_INPUT, (r.stdout + r.stderr)[-3000:]
+    assert f"error: patch failed: {LLAMA4_EAGLE}:132" in r.stderr, r.stderr[-2000:]
+    rec = json.loads((run / "record.json").read_text())
+    assert rec["error"]["kind"] == "bad-input" and rec["error"]["where"] == "image", rec["error"]
+    assert "container" not in rec and not rec["phases"], "refused before any engine"
 
 
 def test_cache_and_local_dir_models_are_readable_in_a_container(docker_host: str, base_image: str,

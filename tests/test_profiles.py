@@ -20,6 +20,7 @@ def test_the_three_profiles_carry_the_seed_settings() -> None:
         assert p.min_mean_acceptance_length > 1.0, f"{p.name}: a head accepting nothing would pass"
         assert 0 < p.near_tie_delta < 1.0 and p.top_logprobs >= 2, p.name
     assert profiles.calibration_sigmas() >= 2
+    assert 0 < profiles.comparison_sigmas() <= profiles.calibration_sigmas()
 
 
 def test_unknown_profile_lists_the_known_ones() -> None:

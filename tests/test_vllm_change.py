@@ -3,6 +3,7 @@ engine starts; its record names it; its caches are its own."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -77,31 +78,49 @@ def test_a_patch_becomes_an_overlay_and_the_release_is_untouched(vllm_here) -> N
 
 
 @pytest.mark.e2e
-def test_compare_says_regression_for_a_breaking_patch_and_ok_for_a_comment(pair,
-                                                                          tmp_path: Path) -> None:
-    """`compare`: the release beside the head's input order swapped in vLLM's llama4_eagle.py is
-    REGRESSION (and the candidate's record shows the overlay is what ran); beside a patch that
-    only adds a comment, judged against the first compare's golden, OK."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    small = ["--tp", "1", "--num-prompts", "20"]
+def test_a_breaking_change_to_a_compiled_forward_right_after_a_clean_run_is_a_regression(
+        pair, tmp_path: Path) -> None:
+    """`compare` with torch.compile on (profile tiny-compiled, vLLM's default outside the eager
+    rehearsal): the release runs clean and leaves its compiled graphs in its cache; right after,
+    on the same machine, the head's input order swapped in llama4_eagle.py's forward is a
+    REGRESSION, compiled into a cache of its own (on an H200 a shared cache once served the clean
+    graph to such a change: PASS)."""
+    first = tmp_path / "first"
+    small = ["--profile", "tiny-compiled", "--tp", "1", "--num-prompts", "20"]
     r = _compare("--vllm-patch", str(BREAKING), *small, "--run-dir", str(first))
     assert r.returncode == Exit.REGRESSION and "REGRESSION" in r.stderr, r.stderr[-3000:]
     report = json.loads((first / "compare.json").read_text())
     assert report["verdict"] == "REGRESSION" and report["rows"][0]["candidate"] < 1.5, report
+    clean = json.loads((first / "release" / "record.json").read_text())
+    assert clean["verdict"]["result"] == "PASS" and clean["profile"]["enforce_eager"] is False
     rec = json.loads((first / "candidate" / "record.json").read_text())
+    assert rec["verdict"]["result"] == "FAIL", rec["verdict"]
     under = rec["vllm_under_test"]
     assert under["kind"] == "patch" and under["files_changed"] == [
         "vllm/model_executor/models/llama4_eagle.py"]
     assert rec["environment"]["vllm_location"] == str(Path(under["overlay"]) / "vllm")
     assert rec["reference"]["kind"] == "golden", rec["reference"]
-    assert json.loads((first / "release" / "record.json").read_text())["verdict"]["result"] == "PASS"
+    caches = [Path(x["vllm_under_test"]["cache_root"]) for x in (clean, rec)]
+    assert caches[0] != caches[1], "compiled graphs are keyed by the vLLM under test"
+    for cache in caches:  # both engines compiled, each into its own folder
+        assert any((cache / "torch_compile_cache").rglob("*")), f"nothing compiled into {cache}"
 
-    r = _compare("--vllm-patch", str(HARMLESS), *small, "--baseline-golden",
-                 str(first / "golden.json"), "--run-dir", str(second))
-    assert r.returncode == Exit.PASS, r.stderr[-3000:]
-    report = json.loads((second / "compare.json").read_text())
-    assert report["verdict"] == "OK", report
-    assert not (second / "release").exists(), "the golden stood in for the release run"
+
+
+@pytest.mark.e2e
+def test_compare_says_ok_for_a_comment(sensitivity_suite, tmp_path: Path) -> None:
+    """`compare` beside a patch that only adds a comment, judged against the release's golden
+    (the sensitivity suite's, measured in this test run on this machine, TP=2): OK, exit 0."""
+    _, _, suite = sensitivity_suite
+    run = tmp_path / "compare"
+    r = _compare("--vllm-patch", str(HARMLESS), "--baseline-golden", str(suite / "golden.json"),
+                 "--run-dir", str(run))
+    assert r.returncode == Exit.PASS and "OK" in r.stderr, r.stderr[-3000:]
+    report = json.loads((run / "compare.json").read_text())
+    assert report["verdict"] == "OK" and report["new_hard"] == 0, report
+    assert not (run / "release").exists(), "the golden stood in for the release run"
+    assert report["vllm_under_test"]["patch_sha256"] == hashlib.sha256(
+        HARMLESS.read_bytes()).hexdigest()
 
 
 def _compare(*args: str) -> subprocess.CompletedProcess[str]:
@@ -183,3 +202,23 @@ def test_a_wheel_becomes_an_overlay_of_its_own_package(vllm_here, tmp_path: Path
     assert change.kind == "wheel" and change.wheel == wheel.name and len(change.wheel_sha256) == 64
     assert (Path(change.overlay) / "vllm" / "__init__.py").read_text() == "MARK = 1\n"
     assert not (Path(change.overlay) / "vllm-0.32.0.dist-info").exists()
+
+
+def test_compare_runs_hub_profiles_through_validate_with_their_weights_options() -> None:
+    """`compare --profile maverick-tp8`: both runs go through `validate` (fetch, verify, the image
+    with the change as a layer, or --no-container), at the profile's TP, with the weights options
+    given; a generated pair goes through `rehearse`, at TP=2 on CPU unless told."""
+    from validate import cli, compare
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["compare", "--vllm-patch", str(BREAKING), "--profile", "maverick-tp8",
+                              "--no-container", "--local-dir", "/models", "--offline"])
+    profile, command = compare.sized_profile(args)
+    assert command[:3] == ["validate", "--profile", "maverick-tp8"], command
+    assert command[command.index("--tp") + 1] == "8" and profile.tensor_parallel_size == 8
+    assert {"--no-container", "--local-dir=/models", "--offline"} <= set(command), command
+    assert any(c.startswith("--lock-file=") for c in command), "the lock the user named (or the kit's)"
+    args = parser.parse_args(["compare", "--vllm-patch", str(BREAKING), "--container"])
+    profile, command = compare.sized_profile(args)
+    assert command[:3] == ["rehearse", "--profile", "tiny"] and "--container" in command
+    assert profile.tensor_parallel_size == 2 and not any(c.startswith("--lock") for c in command)

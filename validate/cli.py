@@ -211,6 +211,23 @@ def _change_options(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="a vLLM wheel built elsewhere, for this Python and platform")
 
 
+def _suite_options(p: argparse.ArgumentParser) -> None:
+    """compare and sensitivity: several runs of one profile on this machine."""
+    p.add_argument("--profile", default="tiny", help="a generated pair runs through `rehearse`, "
+                   f"hub models through `validate`; one of: {', '.join(profiles.names())}")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: 2 for "
+                   "a CPU profile, so sharding breakages show; else the profile's)")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--run-dir", default=None, help="folder for the runs")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--container", action="store_true",
+                       help="a generated pair: run in the CPU image (the change as an image layer)")
+    where.add_argument("--no-container", action="store_true",
+                       help="hub models: run on this host instead of the pinned image")
+    _weights_options(p)
+
+
 def _repo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-repo", default=None, help="override the profile's target repository")
     p.add_argument("--draft-repo", default=None, help="override the profile's EAGLE head repository")
@@ -258,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _repo_options(v)
     v.add_argument("--no-container", action="store_true",
                    help="run the end-to-end script on this host (an environment with vLLM)")
+    _change_options(v)
     _weights_options(v)
     _run_options(v)
     v.set_defaults(func=_run_command(commands.validate), head=None)
@@ -266,20 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
     cm = sub.add_parser("compare", help="the pinned release beside a change to vLLM, same "
                         "machine and profile: REGRESSION, OK or IMPROVED")
     _change_options(cm, required=True)
-    cm.add_argument("--tp", type=int, default=2, help="tensor parallel size (default: 2)")
-    cm.add_argument("--num-prompts", type=int, default=None)
-    cm.add_argument("--max-tokens", type=int, default=None)
-    cm.add_argument("--run-dir", default=None, help="folder for the two runs")
+    _suite_options(cm)
     cm.add_argument("--baseline-golden", default=None, metavar="FILE",
                     help="take the release's figures and reference outputs from this golden "
                     "(an earlier compare's golden.json, or calibrate's) instead of running it")
     cm.set_defaults(func=compare)
     se = sub.add_parser("sensitivity", help="apply each breakage of vLLM's Llama-4 EAGLE path "
                         "(validate/data/breakages/) and show the verdict catches it")
-    se.add_argument("--tp", type=int, default=2, help="tensor parallel size (default: 2)")
-    se.add_argument("--num-prompts", type=int, default=None)
-    se.add_argument("--max-tokens", type=int, default=None)
-    se.add_argument("--run-dir", default=None, help="folder for the suite's runs")
+    _suite_options(se)
     se.add_argument("--only", action="append", default=None, metavar="NAME",
                     help="run only this breakage (repeatable)")
     se.set_defaults(func=sensitivity)

@@ -33,6 +33,7 @@ from validate.contract import (
     EnvironmentProblem,
     ErrorKind,
     Exit,
+    KitError,
     e2e_argv,
     exit_code,
 )
@@ -195,13 +196,25 @@ def in_container(rec: RunRecord, profile: profiles.Profile, target: str, draft: 
         tag, base, pinned = image(engine, args, profile.device)
     except containers.ContainerError as exc:  # a failed build: said, recorded, no engine started
         return f"the image could not be built: {str(exc)[:600]}"
+    environment = dict(containers.E2E_ENVIRONMENT)
+    change = None
+    if vllm_change.passed_on(args):
+        try:
+            tag, change = change_layer(engine, tag, args)
+        except KitError as exc:  # a patch that does not apply to the image's vLLM, ...
+            rec.end(exc.kind, f"the vLLM under test: {exc}", where="image")
+            console.print(f"[bold red]error:[/] {escape(str(exc))}")
+            return "refused before starting any engine"
+        console.print(f"[bold]vLLM under test[/]: {escape(change.describe())}; image {tag}")
+        environment.update(VLLM_CACHE_ROOT=change.cache_root,
+                           TORCHINDUCTOR_CACHE_DIR=f"{change.cache_root}/inductor")
     mounts, inside = containers.e2e_mounts(rec.dir, {"target": target, "draft": draft})
     argv = e2e_argv(_e2e_values(profile, inside["target"], inside["draft"], containers.RUN_FOLDER,
                                 args, rec.data["run_id"]))
     rec.update(container={"image": tag, "base": base, "base_pinned": pinned, "exit_code": None})
     try:
         result = engine.run(tag, ["python3", "-m", "validate.e2e", *argv], mounts=mounts,
-                            environment=containers.E2E_ENVIRONMENT,
+                            environment=environment,
                             gpus=profile.tensor_parallel_size if profile.device == "cuda" else 0,
                             timeout_s=args.timeout, log=lambda line: console.print(line, markup=False))
     except Exception as exc:  # the engine refused to start it (docker.errors.APIError, ...)
@@ -210,10 +223,31 @@ def in_container(rec: RunRecord, profile: profiles.Profile, target: str, draft: 
                  "exit_code": result.exit_code, "timed_out": result.exit_code is None,
                  "user": result.user, "ipc": result.host_config["IpcMode"],
                  "mounts": result.host_config["Binds"]}
-    _merge(rec.dir, container=container)
+    _merge(rec.dir, container=container,
+           **({"vllm_under_test": {**change.to_dict(), "image": tag}} if change else {}))
     if result.exit_code is None:
         return f"the container ran past --timeout {args.timeout:.0f} s and was stopped"
     return f"the container exited {result.exit_code}"
+
+
+def change_layer(engine: Any, tag: str,
+                 args: argparse.Namespace) -> tuple[str, vllm_change.VllmUnderTest]:
+    """The change the options name as a layer over image ``tag``'s own vLLM (a patch is applied
+    to exactly the files the image holds): (the layer's tag, the vLLM under test)."""
+    import tempfile
+
+    package, version, accepted = json.loads(
+        engine.python_output(tag, vllm_change.PROBE).strip().splitlines()[-1])
+    if not package or not version:
+        raise EnvironmentProblem(f"image {tag} holds no vLLM (its python3 finds no vllm package)")
+    with tempfile.TemporaryDirectory(prefix="kit-change-") as tmp:
+        layer = vllm_change.for_image(
+            args, version, accepted, lambda files, tree: engine.copy_out(tag, package, files, tree),
+            Path(tmp))
+        assert layer is not None  # called only where a change option is given
+        new_tag = engine.build_change(tag, layer, package,
+                                      log=lambda line: console.print(line, markup=False))
+    return new_tag, layer.change
 
 
 def _merge(run_dir: Path, **fields: Any) -> None:
@@ -311,13 +345,12 @@ def rehearse(args: argparse.Namespace) -> tuple[RunRecord, Exit]:
     profile = profile_for(args)
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}; "
                   f"TP={profile.tensor_parallel_size}")
-    if (args.container or args.full) and vllm_change.passed_on(args):
-        raise BadInput(f"{vllm_change.passed_on(args)[0]} runs the rehearsal on this host for now "
-                       "(an image layer for a change is not built yet): drop --container/--full")
     if args.full:
         return rehearse_full(args)
-    # before anything is generated or started: a change that cannot work is refused here
-    if change := vllm_change.from_args(args, sys.executable):
+    # before anything is generated or started: a change that cannot work is refused here (in a
+    # container, what needs the image's vLLM is checked once the image is there)
+    vllm_change.precheck(args)
+    if not args.container and (change := vllm_change.from_args(args, sys.executable)):
         args.vllm_under_test = change
         console.print(f"[bold]vLLM under test[/]: {escape(change.describe())}; overlay "
                       f"{change.overlay}")
@@ -354,6 +387,7 @@ def rehearse_full(args: argparse.Namespace) -> tuple[RunRecord | None, Exit]:
     if args.head or args.target or args.draft:
         raise BadInput("--full publishes the generated pair as it is: drop --head/--target/--draft")
     run_dir = run_folder(args, profile, kind="full")
+    vllm_change.precheck(args)  # the rest is checked against the image's vLLM, in the validate step
     pair = _generated_pair()
     check(profile, str(pair / "target"), str(pair / "head"))
     token = os.environ.get("HF_TOKEN") or f"hf_rehearsal{secrets.token_hex(16)}"
@@ -374,7 +408,7 @@ def rehearse_full(args: argparse.Namespace) -> tuple[RunRecord | None, Exit]:
                                             ("max-tokens", args.max_tokens)) if v is not None]
         steps = [["lock", "--profile", profile.name, *repos],
                  ["validate", "--profile", profile.name, *sized, *repos, "--run-dir", str(run_dir),
-                  *_passed_on(args)]]
+                  *_passed_on(args), *vllm_change.passed_on(args)]]
         try:
             for step in steps:
                 console.print(f"[bold]$ python -m validate {shlex.join(step)}[/]")
@@ -465,6 +499,11 @@ def validate(args: argparse.Namespace) -> tuple[RunRecord, Exit] | tuple[list[pr
         profile = profile.with_overrides(target=args.target_repo, draft=args.draft_repo)
     container = not args.no_container
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}")
+    vllm_change.precheck(args)  # before preflight, fetch or build: a change that cannot work
+    if not container and (change := vllm_change.from_args(args, sys.executable)):
+        args.vllm_under_test = change
+        console.print(f"[bold]vLLM under test[/]: {escape(change.describe())}; overlay "
+                      f"{change.overlay}")
     findings = preflight.evaluate(profile, host_facts(profile, args, container), container=container)
     if not preflight.verdict(findings):
         return findings, Exit.PREFLIGHT

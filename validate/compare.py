@@ -1,8 +1,10 @@
 """``compare``: did this change break or weaken Llama-4 EAGLE? The pinned release beside the change.
 
-Host side (the runs are ``python -m validate rehearse`` subprocesses). Same profile, same machine:
+Host side (the runs are ``python -m validate rehearse`` subprocesses for a generated pair,
+``python -m validate validate`` for hub models, here or in the image). Same profile, same machine:
 the release runs first with a live reference, and its record becomes the golden both are judged
-by (same conditions, no other machine's figures); the change then runs through ``--vllm-patch``
+by (same conditions, no other machine's figures; its tolerance ``comparison_sigmas`` standard
+errors, since prompts and reference outputs are shared); the change then runs through ``--vllm-patch``
 against that golden's reference outputs (one target load). ``metrics.compare_change`` says
 REGRESSION, OK or IMPROVED; the sensitivity suite is this over a catalogue of breakages.
 """
@@ -25,12 +27,12 @@ from validate.record import atomic_write
 PHASES = ("speculative_engine_start", "speculative_generation")
 
 
-def rehearse(run_dir: Path, sized: list[str], extra: list[str],
-             log: Any) -> tuple[int, dict[str, Any] | None, float]:
-    """One ``rehearse`` of the tiny profile into ``run_dir`` (its output in ``<run_dir>.log``):
-    (exit code, record or None, seconds)."""
-    cmd = [sys.executable, "-m", "validate", "rehearse", "--profile", "tiny", *sized,
-           "--run-dir", str(run_dir), *extra]
+def one_run(run_dir: Path, sized: list[str], extra: list[str],
+            log: Any) -> tuple[int, dict[str, Any] | None, float]:
+    """One run of the profile in ``sized`` into ``run_dir`` (its output in ``<run_dir>.log``):
+    ``rehearse`` for a generated pair, ``validate`` for hub models. (exit code, record or None,
+    seconds)."""
+    cmd = [sys.executable, "-m", "validate", *sized, "--run-dir", str(run_dir), *extra]
     logfile = run_dir.parent / f"{run_dir.name}.log"
     t = time.monotonic()
     with open(logfile, "w") as out:
@@ -54,13 +56,31 @@ def suite_folder(args: argparse.Namespace, kind: str, tp: int) -> Path:
 
 
 def sized_profile(args: argparse.Namespace) -> tuple[profiles.Profile, list[str]]:
-    profile = profiles.get("tiny").with_overrides(tensor_parallel_size=args.tp,
-                                                  num_prompts=args.num_prompts,
-                                                  max_tokens=args.max_tokens)
+    """The profile at the options' size, and the command line that runs it (its subcommand, the
+    profile, the sizes, and where it runs: ``--container`` or ``--no-container``, weights)."""
+    try:
+        profile = profiles.get(getattr(args, "profile", None) or "tiny")
+    except profiles.UnknownProfile as exc:
+        raise BadInput(str(exc)) from exc
+    # CPU: TP=2 unless told (sharding breakages show at TP > 1; TP=8 takes 4x the engines' time)
+    tp = args.tp if args.tp is not None else (2 if profile.device == "cpu" else None)
+    profile = profile.with_overrides(tensor_parallel_size=tp, num_prompts=args.num_prompts,
+                                     max_tokens=args.max_tokens)
     if problems := profile.problems():
         raise BadInput("; ".join(problems))
-    return profile, ["--tp", str(profile.tensor_parallel_size), "--num-prompts",
-                     str(profile.num_prompts), "--max-tokens", str(profile.max_tokens)]
+    where: list[str] = []
+    if profile.generated:
+        where += ["--container"] if getattr(args, "container", False) else []
+    else:  # hub models: the real run's flow (fetched, verified, in the pinned image by default)
+        where += ["--no-container"] if getattr(args, "no_container", False) else []
+        for flag in ("--lock-file", "--cache-dir", "--local-dir"):
+            if (value := getattr(args, flag[2:].replace("-", "_"), None)) is not None:
+                where.append(f"{flag}={value}")
+        where += ["--offline"] if getattr(args, "offline", False) else []
+    command = "rehearse" if profile.generated else "validate"
+    return profile, [command, "--profile", profile.name, "--tp",
+                     str(profile.tensor_parallel_size), "--num-prompts", str(profile.num_prompts),
+                     "--max-tokens", str(profile.max_tokens), *where]
 
 
 def release_baseline(base: Path, sized: list[str],
@@ -68,26 +88,30 @@ def release_baseline(base: Path, sized: list[str],
     """The unpatched release with a live reference, and the golden made from it (None unless it
     passed: a release that fails here is no baseline)."""
     log("baseline: the pinned release (unpatched, live reference)")
-    code, rec, seconds = rehearse(base / "release", sized, ["--golden", "none"], log)
+    code, rec, seconds = one_run(base / "release", sized, ["--golden", "none"], log)
     if code != Exit.PASS or rec is None:
         return code, rec, seconds, None
     golden = base / "golden.json"
-    goldens.write(golden, goldens.make([rec], sigmas=profiles.calibration_sigmas()))
+    goldens.write(golden, goldens.make([rec], sigmas=profiles.comparison_sigmas()))
     return code, rec, seconds, golden
 
 
 def candidate(base: Path, name: str, sized: list[str], change: list[str], golden: Path,
               log: Any) -> tuple[int, dict[str, Any] | None, float]:
     """The change (its option, e.g. ``["--vllm-patch", FILE]``) against the baseline's golden."""
-    return rehearse(base / name, sized, [*change, "--golden", str(golden), "--reference", "golden"],
-                    log)
+    return one_run(base / name, sized, [*change, "--golden", str(golden), "--reference", "golden"],
+                   log)
 
 
 def run(args: argparse.Namespace, log: Any = print) -> tuple[dict[str, Any], Exit]:
     """Baseline and candidate, side by side; (report, exit code)."""
-    change = vllm_change.from_args(args, sys.executable)  # a change that cannot run: refused now
-    assert change is not None  # the option is required
     profile, sized = sized_profile(args)
+    vllm_change.precheck(args)  # a change that cannot run: refused now
+    # on this host: the overlay is made (and a patch applied) before the baseline's minutes;
+    # in an image, the candidate's run checks it against the image's own vLLM
+    here = (profile.generated and not getattr(args, "container", False)) or getattr(
+        args, "no_container", False)
+    change = vllm_change.from_args(args, sys.executable) if here else None
     base = suite_folder(args, "compare", profile.tensor_parallel_size)
     if args.baseline_golden:  # a golden of the release (calibrate, or an earlier compare's)
         golden, rec_b = Path(args.baseline_golden), None
@@ -100,12 +124,13 @@ def run(args: argparse.Namespace, log: Any = print) -> tuple[dict[str, Any], Exi
                            f"{base / 'release.log'}): there is no baseline to compare with")
         golden = made
         baseline = metrics.Figures.of_run(rec_b["acceptance"], rec_b["comparison"]["hard"])
-    log(f"candidate: {change.describe()}")
+    log(f"candidate: {change.describe() if change else ' '.join(vllm_change.passed_on(args))}")
     code_c, rec_c, _ = candidate(base, "candidate", sized, vllm_change.passed_on(args), golden, log)
     report: dict[str, Any] = {"profile": profile.to_dict(),
                               "baseline": str(golden if args.baseline_golden else base / "release"),
                               "candidate": str(base / "candidate"),
-                              "vllm_under_test": change.to_dict(),
+                              "vllm_under_test": (rec_c or {}).get("vllm_under_test")
+                              or (change.to_dict() if change else None),
                               "times": _times(rec_b, rec_c)}
     if rec_c is None or not rec_c.get("acceptance"):
         err = (rec_c or {}).get("error") or {}
@@ -115,7 +140,7 @@ def run(args: argparse.Namespace, log: Any = print) -> tuple[dict[str, Any], Exi
     else:
         v = metrics.compare_change(baseline, metrics.Figures.of_run(rec_c["acceptance"],
                                                                    rec_c["comparison"]["hard"]),
-                                   sigmas=profiles.calibration_sigmas())
+                                   sigmas=profiles.comparison_sigmas())
         report.update(verdict=v.word, rows=v.rows, new_hard=v.new_hard, reasons=v.reasons)
     atomic_write(base / "compare.json", json.dumps(report, indent=1) + "\n")
     atomic_write(base / "compare.md", markdown(report))

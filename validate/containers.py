@@ -250,15 +250,81 @@ class Engine:
             return tag
         with self._context(kind, ca_bundle, wheelhouse) as ctx:
             log(f"building {tag} from {base} (context {ctx})")
-            stream = self.client.api.build(path=str(ctx), dockerfile=f"containers/{kind}/Dockerfile",
-                                           tag=tag, buildargs=buildargs, labels=oci, rm=True,
-                                           forcerm=True,
-                                           network_mode=network, decode=True)
-            for event in stream:
-                if "stream" in event and event["stream"].strip():
-                    log(event["stream"].rstrip())
-                if "error" in event:
-                    raise ContainerError(f"building {tag} failed: {event['error'].strip()}")
+            self._stream_build(tag, log, path=str(ctx), dockerfile=f"containers/{kind}/Dockerfile",
+                               buildargs=buildargs, labels=oci, network_mode=network)
+        return tag
+
+    def _stream_build(self, tag: str, log: Callable[[str], None], **kwargs: Any) -> None:
+        stream = self.client.api.build(tag=tag, rm=True, forcerm=True, decode=True, **kwargs)
+        for event in stream:
+            if "stream" in event and event["stream"].strip():
+                log(event["stream"].rstrip())
+            if "error" in event:
+                raise ContainerError(f"building {tag} failed: {event['error'].strip()}")
+
+    def python_output(self, tag: str, code: str) -> str:
+        """What ``python3 -c code`` prints in image ``tag`` (a container without network, removed
+        after): how the host asks an image about its own vLLM without importing it."""
+        import docker
+
+        try:
+            return self.client.containers.run(tag, ["python3", "-c", code], network_mode="none",
+                                              remove=True).decode()
+        except docker.errors.DockerException as exc:
+            raise ContainerError(f"python3 in {tag} failed: {str(exc)[:300]}") from exc
+
+    def copy_out(self, tag: str, package: str, files: list[str], tree: Path) -> None:
+        """Copy ``files`` (``vllm/...``) of the image's vLLM ``package`` folder into ``tree``;
+        files the image does not have are skipped (a change may add them)."""
+        import io
+        import tarfile
+
+        import docker
+
+        container = self.client.containers.create(tag, ["true"], network_mode="none")
+        try:
+            for f in files:
+                inside = f"{package}/{f.removeprefix('vllm/')}"
+                try:
+                    chunks, _ = container.get_archive(inside)
+                except docker.errors.NotFound:
+                    continue
+                with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+                    member = tar.getmembers()[0]
+                    data = tar.extractfile(member)
+                    if data is None:  # a folder or link where a file was expected
+                        raise ContainerError(f"{inside} in {tag} is not a plain file")
+                    dst = tree / f
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    dst.write_bytes(data.read())
+        finally:
+            container.remove(force=True)
+
+    def build_change(self, base_tag: str, layer: Any, package: str,
+                     log: Callable[[str], None] = print) -> str:
+        """A layer over ``base_tag`` that lays ``layer`` (vllm_change.Layer) over the image's vLLM
+        ``package``; its tag is the base's plus the change's key. Skipped when it exists."""
+        change = layer.change
+        tag = f"{base_tag}-{change.key}"
+        if self.image_exists(tag):
+            log(f"image {tag} (the change as a layer) is up to date: not rebuilt")
+            return tag
+        lines = [f"FROM {base_tag}"]
+        if layer.replace:  # a wheel: its whole package instead of the image's
+            lines += ["COPY vllm/ /tmp/kit-change-vllm/",
+                      f"RUN rm -rf {package} && mv /tmp/kit-change-vllm {package}"]
+        else:
+            if (layer.tree / "vllm").is_dir():
+                lines.append(f"COPY vllm/ {package}/")
+            if layer.deleted:
+                gone = " ".join(f"{package}/{f.removeprefix('vllm/')}" for f in layer.deleted)
+                lines.append(f"RUN rm -f {gone}")
+        (layer.tree / "Dockerfile").write_text("\n".join(lines) + "\n")
+        labels = {"io.vllm.change.kind": change.kind, "io.vllm.change.key": change.key,
+                  "io.vllm.change.files": " ".join(change.files_changed)[:2000]}
+        log(f"building {tag}: {change.describe()}")
+        self._stream_build(tag, log, path=str(layer.tree), dockerfile="Dockerfile", labels=labels,
+                           network_mode="none")
         return tag
 
     def _base_id(self, base: str, log: Callable[[str], None]) -> str:

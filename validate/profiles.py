@@ -86,6 +86,12 @@ def calibration_sigmas() -> float:
     return float(_data()["calibration"]["sigmas"])
 
 
+def comparison_sigmas() -> float:
+    """The same, for a change judged beside the release measured on the same machine, prompts and
+    reference outputs (``compare``, the sensitivity suite): see ``[calibration]``."""
+    return float(_data()["calibration"]["comparison_sigmas"])
+
+
 def names() -> list[str]:
     return list(_table())
 

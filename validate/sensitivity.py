@@ -2,8 +2,8 @@
 
 Host side (the runs are ``python -m validate rehearse`` subprocesses). First the unpatched
 release runs with a live reference and must PASS; its record becomes this suite's golden (same
-machine, same conditions, its tolerance from the run's own standard error). Then each breakage of
-the catalogue (``data/breakages.toml``, patches in ``data/breakages/``) runs through
+machine, same conditions, its tolerance ``comparison_sigmas`` x the run's own standard error).
+Then each breakage of the catalogue (``data/breakages.toml``, patches in ``data/breakages/``) runs through
 ``--vllm-patch`` against that golden with ``--reference golden``: one target load per verdict.
 Every breakage must end FAIL, or ERROR (an engine that crashes counts, and says so); one that
 PASSes is a miss and fails the suite. Controls (changes that must not matter) must PASS: a

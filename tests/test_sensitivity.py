@@ -1,0 +1,31 @@
+"""`nox -s sensitivity`: the kit's catalogue of breakages of vLLM's Llama-4 EAGLE path, each applied
+through --vllm-patch to the pinned vLLM, must be caught by the verdict (FAIL, or ERROR where the
+engine crashes), while the unpatched release and the controls PASS. A breakage that PASSes is a
+miss: the verdict (or the tiny pair) is not sensitive enough, and this test fails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from validate import sensitivity
+
+
+@pytest.mark.e2e
+def test_the_sensitivity_suite_catches_every_breakage(sensitivity_suite,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    code, output, run = sensitivity_suite
+    table = (run / "sensitivity.md").read_text() if (run / "sensitivity.md").is_file() else ""
+    with capsys.disabled():  # the CI log shows the table and its time
+        print("\n" + (table or output[-3000:]))
+    report = json.loads((run / "sensitivity.json").read_text())
+    outcomes = {o["name"]: o for o in report["outcomes"]}
+    expected = {b.name: b.expect for b in sensitivity.catalogue()}
+    assert set(outcomes) == {"release (unpatched)", *expected}, sorted(outcomes)
+    assert outcomes["release (unpatched)"]["verdict"] == "PASS", outcomes["release (unpatched)"]
+    wrong = {name: (o["verdict"], o["mean_acceptance"], o["detail"]) for name, o in outcomes.items()
+             if name in expected and (o["verdict"] == "PASS") != (expected[name] == "pass")}
+    assert not wrong, f"judged other than expected (a missed breakage, or a control that cried wolf): {wrong}"
+    assert all(o["verdict"] in ("PASS", "FAIL", "ERROR") for o in outcomes.values()), outcomes
+    assert code == 0 and report["missed"] == [], output[-3000:]
