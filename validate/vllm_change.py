@@ -375,8 +375,11 @@ def _made_whole(folder: Path, fill: Any, meta: dict[str, object]) -> None:
 def from_wheel(wheel: Path, python: str) -> VllmUnderTest:
     """A vLLM wheel built elsewhere: its whole package (compiled parts included) as the overlay."""
     wheel, name, version, tags = check_wheel(wheel)
-    _accepts(wheel, tags, probe(python)[2], "this environment's Python")
-    _, base_version = installed(python)
+    folder, base_version, accepted = probe(python)  # one look, not two
+    _accepts(wheel, tags, accepted, "this environment's Python")
+    if not folder or not base_version:
+        raise EnvironmentProblem(f"vLLM is not installed for {python}: `nox -s rehearse_tp8` "
+                                 "installs the CPU build")
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     key = f"wheel-{sha[:16]}"
     overlay = state_root() / "vllm-overlays" / key
