@@ -54,8 +54,17 @@ def engine_python(session: nox.Session) -> str:
 
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """The kit's tests, including real CPU rehearsals at TP=8 (pass pytest options after --)."""
-    session.run(engine_python(session), "-m", "pytest", *session.posargs)
+    """The CI tier: every real path once (one shared TP=8 rehearsal, one container run, --full,
+    the sensitivity suite's CI subset). Fast tier: `nox -s tests -- -m "not e2e"`."""
+    session.run(engine_python(session), "-m", "pytest", *session.posargs,
+                env={"KIT_TEST_TIER": "ci"})
+
+
+@nox.session(venv_backend="none")
+def tests_full(session: nox.Session) -> None:
+    """The full tier: the CI tier with the whole sensitivity catalogue (the nightly step)."""
+    session.run(engine_python(session), "-m", "pytest", *session.posargs,
+                env={"KIT_TEST_TIER": "full"})
 
 
 @nox.session(venv_backend="none")

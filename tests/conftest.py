@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, WALKTHROUGH_RUN, runnable_blocks
+from helpers import ROOT, TIER, WALKTHROUGH_RUN, runnable_blocks
 
 FIXTURE_MODELS = Path(__file__).parent / "data" / "fixture-models"
 
@@ -60,13 +60,14 @@ def host_rehearsal_tp8(pair) -> tuple[int, dict, str]:
 
 @pytest.fixture(scope="session")
 def sensitivity_suite(pair, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
-    """`nox -s sensitivity` as a user runs it (the release, then every breakage of the catalogue,
-    TP=2), once per test run: its golden also serves `compare --baseline-golden`.
+    """`nox -s sensitivity` as a user runs it (the release, then the breakages of the tier, TP=2),
+    once per test run: its golden also serves `compare --baseline-golden`. The tier is
+    ``KIT_TEST_TIER`` (`nox -s tests`: ci, the catalogue's CI subset; `nox -s tests_full`: full).
     (exit code, output, the suite's folder)."""
     pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
     run = tmp_path_factory.mktemp("sensitivity") / "suite"
-    r = subprocess.run(["nox", "-s", "sensitivity", "--", "--run-dir", str(run)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=3600, check=False)
+    r = subprocess.run(["nox", "-s", "sensitivity", "--", "--run-dir", str(run), "--tier", TIER],
+                       cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False)
     assert (run / "sensitivity.json").is_file(), (r.stdout + r.stderr)[-4000:]
     return r.returncode, r.stdout + r.stderr, run
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # The walkthrough's CPU block is also the suite's shared TP=8 host rehearsal (tests/conftest.py).
 WALKTHROUGH_RUN = "runs/walkthrough"
+# Which tier runs: ci (`nox -s tests`, also plain pytest) or full (`nox -s tests_full`).
+TIER = os.environ.get("KIT_TEST_TIER", "ci")
 
 
 def runnable_blocks() -> list[tuple[str, str]]:

@@ -6,6 +6,7 @@ a user's run would do, and the record says the same as the exit code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -180,3 +181,120 @@ def test_preflight_9_and_contract_kinds_map_to_codes() -> None:
     assert contract.exit_code({"status": "failed"}) == Exit.FAIL
     with pytest.raises(contract.BadRecord, match="schema_version 1"):
         contract.check_record({"schema_version": 1})
+
+
+# ---- endings that got the wrong code or none (issue: lossless means lossless, item 4)
+
+
+def test_bad_input_2_a_golden_of_another_tp_is_refused_before_anything_runs(models,
+                                                                            tmp_path: Path) -> None:
+    """`--golden FILE` of another TP (or profile, or machine class) fell back to `uncalibrated`
+    after both engines ran; now it is refused before the run folder exists."""
+    golden = next((ROOT / "validate" / "data" / "goldens").glob("tiny-*-tp8.json"))
+    run = tmp_path / "run"
+    t = time.monotonic()
+    r = _kit("rehearse", "--tp", "1", "--golden", str(golden), "--target", str(models.target),
+             "--draft", str(models.head), "--run-dir", str(run))
+    assert r.returncode == Exit.BAD_INPUT, r.stderr[-2000:]
+    assert "does not apply: its tensor_parallel_size is 8, this run's is 1" in r.stderr, r.stderr
+    assert not run.exists() and time.monotonic() - t < 60, "refused before any engine"
+
+
+def test_bad_input_2_a_missing_golden_is_refused(models, tmp_path: Path) -> None:
+    r = _kit("rehearse", "--golden", str(tmp_path / "missing.json"), "--target", str(models.target),
+             "--draft", str(models.head), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == Exit.BAD_INPUT, r.stderr[-2000:]
+    assert "missing.json: no such file" in r.stderr and not (tmp_path / "run").exists(), r.stderr
+
+
+def test_bad_input_2_compare_against_a_golden_of_another_tp(tmp_path: Path) -> None:
+    """`compare --baseline-golden` with another TP's golden and a harmless patch said
+    REGRESSION, exit 11, after a candidate run; now exit 2 naming the mismatch, nothing run."""
+    golden = next((ROOT / "validate" / "data" / "goldens").glob("tiny-*-tp8.json"))
+    patch = ROOT / "validate" / "data" / "breakages" / "comment-only.patch"
+    run = tmp_path / "compare"
+    r = _kit("compare", "--tp", "2", "--vllm-patch", str(patch), "--baseline-golden", str(golden),
+             "--run-dir", str(run))
+    assert r.returncode == Exit.BAD_INPUT, r.stderr[-2000:]
+    assert "does not apply: its tensor_parallel_size is 8, this comparison's is 2" in r.stderr
+    assert not (run / "candidate").exists(), "no candidate run"
+
+
+def _fill(folder: Path) -> None:
+    """Write into ``folder`` until its file system has no byte left."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (64 << 10, 4 << 10, 1):  # down to the last byte
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * size):
+                    pass
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MiB tmpfs (the tests run as root, like CI), unmounted afterwards."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.e2e
+def test_broken_4_a_full_disk_under_the_run_folder(pair, small_disk: Path) -> None:
+    """The disk fills while an engine starts: the run ends `broken` (exit 4) with a complete
+    record naming the phase, not an ENOSPC traceback with exit 1 and `status: running`."""
+    run = small_disk / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "validate", "rehearse", "--tp", "1",
+                             "--num-prompts", "5", "--golden", "none", "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while "reference_engine_start" not in _phases(run):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    _fill(small_disk)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == Exit.BROKEN, out[-3000:]
+    assert "Traceback" not in out.split("[e2e]")[0], out[-3000:]
+    rec = _record(run)
+    assert rec["status"] == "error" and rec["error"]["kind"] == "broken", rec["error"]
+    assert rec["error"]["type"] == "DiskFull" and "no space left" in rec["error"]["message"]
+    # the engine had started; the record's write at the end of that phase found no space
+    assert rec["error"]["where"] in ("reference_engine_start", "after reference_engine_start")
+
+
+def _phases(run: Path) -> dict:
+    try:
+        return _record(run).get("phases", {})
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.mark.e2e
+def test_sigkill_of_the_kit_leaves_nothing_running_and_the_next_run_says_so(
+        pair, models, tmp_path: Path) -> None:
+    """SIGKILL of the kit left its end-to-end child (its own session) running on, starting
+    engines, and the record at `running`. Now the child dies with the kit, recording why, and the
+    next run's record names the run that was cut off."""
+    run = tmp_path / "run"
+    proc, procs = _start_and_wait_for(run, "reference_engine_start")
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 90  # the script's grace (30 s) and vLLM's own shutdown
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _alive(procs), f"processes left behind: {_alive(procs)}"
+    rec = _record(run)
+    assert rec["status"] == "interrupted" and "is gone" in rec["error"]["message"], rec
+    nxt = tmp_path / "next"
+    r = _kit("rehearse", "--tp", "1", "--golden", "none", "--target", str(models.target),
+             "--draft", str(models.head), "--run-dir", str(nxt))
+    assert r.returncode == Exit.BROKEN, r.stderr[-2000:]  # stand-in shards: vLLM cannot load them
+    cut = _record(nxt).get("previous_runs_cut_off") or []
+    assert str(run) in [c["run_dir"] for c in cut], cut
+    assert "a previous run was cut off" in r.stderr

@@ -76,7 +76,7 @@ def test_missing_golden_says_how_to_make_one(tmp_path: Path) -> None:
     assert "nox -s calibrate -- --profile tiny --tp 8" in why
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"schema": 1}', '{"schema": 99}', "[]"])
+@pytest.mark.parametrize("text", ["{not json", '{"schema": 2}', '{"schema": 99}', "[]"])
 def test_corrupt_golden_is_refused_naming_file_and_command(golden_file: Path, text: str) -> None:
     golden_file.write_text(text)
     with pytest.raises(goldens.BadGolden) as exc:
@@ -104,9 +104,22 @@ def test_crashed_run_makes_no_golden() -> None:
         goldens.make([broken], sigmas=3.0)
 
 
-def test_committed_goldens_are_readable() -> None:
-    """Every golden shipped with the kit loads (a broken one would refuse every run)."""
-    for path in goldens.DIR.glob("*.json"):
+# The goldens docs/verdict.md lists: a test that loads "every golden" must fail when they are gone.
+SHIPPED = ("tiny-cpu-amx-tp1", "tiny-cpu-amx-tp8", "tiny-cpu-avx512bf16-tp1",
+           "tiny-cpu-avx512bf16-tp8", "tiny-cuda-h200-tp1")
+
+
+def test_committed_goldens_are_readable_and_reviewable() -> None:
+    """Every golden shipped with the kit loads (a broken one would refuse every run), is named
+    after what it is of, and stays small enough to review: summary first, a line per output."""
+    found = {p.stem: p for p in goldens.DIR.glob("*.json")}
+    assert set(SHIPPED) <= set(found), f"shipped goldens missing: {set(SHIPPED) - set(found)}"
+    for path in found.values():
         g = goldens.load(path)
         assert path.name == goldens.filename(g["profile"], g["device_class"],
                                              g["tensor_parallel_size"])
+        text = path.read_text()
+        assert len(text.encode()) <= goldens.MAX_BYTES, f"{path.name}: {len(text)} bytes"
+        assert text.splitlines()[2].startswith(' "summary"'), "the summary comes first"
+        assert len(text.splitlines()) < 200 + len(g["reference"]), "one line per reference output"
+        assert text == goldens.dumps(g), "written by goldens.write (calibrate's form)"

@@ -170,8 +170,19 @@ def test_broken_connection_resumes_where_it_stopped(env, lock: Path, loopback: H
     assert r.returncode == 0, r.stderr
     first, second = loopback.file_requests(SHARD, TARGET)
     assert first["sent"] >= 20 << 20 and first["sent"] < first["size"]
-    # the client writes 10 MiB chunks: it resumes after the last whole chunk it received
-    assert 10 << 20 <= second["range_start"] <= first["sent"], "resumed, not restarted"
+    # the kit has the client write 1 MiB chunks: it resumes after the last whole one it received
+    assert first["sent"] - (1 << 20) <= second["range_start"] <= first["sent"], "resumed"
+
+
+def test_a_connection_dropped_in_the_first_chunk_resumes_too(env, lock: Path, loopback: Hub) -> None:
+    """huggingface_hub resumes from the whole chunks it wrote (10 MiB by default): a drop 5 MiB
+    into the shard restarted it at byte 0. The kit fetches in 1 MiB chunks."""
+    loopback.drop_once[SHARD] = 5 << 20
+    r = kit(env, "fetch", lock=lock)
+    assert r.returncode == 0, r.stderr
+    first, second = loopback.file_requests(SHARD, TARGET)
+    assert first["sent"] >= 5 << 20
+    assert second["range_start"] >= (5 << 20) - (1 << 20), f"restarted at {second['range_start']}"
 
 
 def test_killed_fetch_keeps_finished_files_and_refetches_only_the_partial_one(
@@ -303,11 +314,13 @@ def _hostile_locks(lock: Path, sentinel: Path) -> dict[str, tuple[str, str]]:
                         "revision None is not a 40-hex commit"),
         "no-sha256": (with_target(files=no_sha), ".sha256: None is not a sha256"),
         "no-files": (with_target(files={}), "a repository pinned with no files is no pin"),
+        # valid JSON nested deeper than Python's parser goes: a RecursionError traceback, exit 1
+        "nested-100000-deep": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     }
 
 
 HOSTILE = ["traversal", "absolute", "bad-revision", "not-json", "repos-a-list", "no-revision",
-           "no-sha256", "no-files"]
+           "no-sha256", "no-files", "nested-100000-deep"]
 
 
 @pytest.mark.parametrize("case", HOSTILE)
@@ -370,6 +383,34 @@ def test_lock_refuses_a_revision_that_is_not_a_ref(env, tmp_path: Path, sentinel
     r = kit(env, "lock", "--revision", revision, lock=path)
     assert r.returncode == Exit.BAD_INPUT and "is not a branch, tag or commit name" in r.stderr
     assert not path.exists() and _tree_digest(sentinel) == before
+
+
+def test_a_lock_file_that_cannot_be_written_is_bad_input(env, tmp_path: Path) -> None:
+    """`lock --lock-file /proc/x` ended in an OSError traceback (exit 1)."""
+    r = kit(env, "lock", lock=Path("/proc/kit-lock/weights.lock.json"))
+    assert r.returncode == Exit.BAD_INPUT, r.stderr
+    assert "cannot be written" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_damaged_kit_state_is_never_a_traceback(env, lock: Path, loopback: Hub,
+                                                sentinel: Path) -> None:
+    """The kit's own records under VALIDATE_CACHE are not trusted either: a damaged verification
+    record means hashing again; a resolved revision of `../../x` is refused (exit 2), never used
+    as a path."""
+    state = Path(env["VALIDATE_CACHE"])
+    assert kit(env, "fetch", lock=lock).returncode == 0
+    for f in (state / "verified").glob("*.json"):
+        f.write_text("[" * 50_000)
+    r = kit(env, "fetch", lock=lock)
+    assert r.returncode == 0 and "ignoring a damaged verification record" in r.stderr, r.stderr
+    before = _tree_digest(sentinel)
+    resolved = state / "resolved" / f"{TARGET.replace('/', '--')}.json"
+    data = json.loads(resolved.read_text())
+    resolved.write_text(json.dumps({**data, "revision": "../../../outside/x"}))
+    r = kit(env, "fetch", "--offline")  # unpinned: the offline fetch reads what was resolved
+    assert r.returncode == Exit.BAD_INPUT, r.stderr
+    assert "is damaged" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert _tree_digest(sentinel) == before
 
 
 def test_an_explicit_lock_file_that_does_not_exist_is_an_error(env, tmp_path: Path) -> None:

@@ -187,10 +187,11 @@ def test_tp_invariance_reports_a_sharded_run_below_the_tp1_golden() -> None:
     assert any(r.startswith("TP invariance (reported, not gated): mean") for r in near.reasons)
 
 
-def _figures(mean: float, rates: list[float], se: float = 0.02, hard: int = 0):
+def _figures(mean: float, rates: list[float], se: float = 0.02, hard: int = 0,
+             divergences: int = 0, prompts: int = 100):
     from validate.metrics import Figures
 
-    return Figures(mean, se, rates, [0.01] * len(rates), hard)
+    return Figures(mean, se, rates, [0.01] * len(rates), hard, divergences, prompts)
 
 
 def test_compare_change_regression_ok_improved() -> None:
@@ -210,3 +211,95 @@ def test_compare_change_regression_ok_improved() -> None:
     assert compare_change(base, _figures(3.2, [0.85, 0.75, 0.6]), sigmas=3).word == "IMPROVED"
     tol = compare_change(base, base, sigmas=3).rows[0]["tolerance"]
     assert abs(tol - 3 * (2 * 0.02 ** 2) ** 0.5) < 1e-12
+
+
+def test_a_lossy_change_that_raises_acceptance_is_never_improved() -> None:
+    """What the issue found: keeping the target's second choice raised acceptance 3.19 -> 3.51
+    and was called IMPROVED. More divergent outputs than the baseline is a REGRESSION, exit 11."""
+    from validate.metrics import compare_change
+
+    base = _figures(3.19, [0.86, 0.74, 0.55], divergences=0)
+    lossy = compare_change(base, _figures(3.51, [0.95, 0.85, 0.70], divergences=86), sigmas=1)
+    assert lossy.word == "REGRESSION", lossy
+    assert any("86 of 100 outputs leave the reference" in r for r in lossy.reasons), lossy.reasons
+    # one more divergent output than the baseline is already not OK: same machine, same prompts
+    one = compare_change(base, _figures(3.19, [0.86, 0.74, 0.55], divergences=1), sigmas=1)
+    assert one.word == "REGRESSION", one
+    # as many as the baseline had (its rate, scaled to the candidate's prompts): OK
+    same = compare_change(_figures(3.19, [0.86, 0.74, 0.55], divergences=4, prompts=200),
+                          _figures(3.19, [0.86, 0.74, 0.55], divergences=2), sigmas=1)
+    assert same.word == "OK", same
+
+
+RULE = metrics.NearTieRule(noise_margin=8.0, gap_margin=2.0, known_gap=0.039, alpha=0.001,
+                           uncalibrated_share=0.2)
+
+
+def _golden_data(matches: list[int], gaps: list[float], noise_max: float, n: int = 100) -> dict:
+    return {"conditions": {"num_prompts": n}, "exact_match": matches, "divergence_gaps": gaps,
+            "logprob_noise": [{"positions": 3200, "max": noise_max}] * len(matches)}
+
+
+def test_the_near_tie_bound_is_measured_not_fixed() -> None:
+    """Noise x 8 or clean gaps x 2, whichever is larger, capped by the profile; 0 where the
+    engines agreed to the last bit and the golden never diverged."""
+    quiet = metrics.near_tie_bound(RULE, 0.5, {"max": 0.0}, _golden_data([100] * 3, [], 0.0))
+    assert quiet.value == 0.0
+    amx = metrics.near_tie_bound(RULE, 0.5, {"max": 0.0}, _golden_data([95, 100], [0.039], 0.0079))
+    assert amx.value == pytest.approx(max(8 * 0.0079, 2 * 0.039))
+    uncal = metrics.near_tie_bound(RULE, 0.5, {"max": 0.0}, None)
+    assert uncal.value == pytest.approx(2 * 0.039) and "no golden" in uncal.source
+    noisy = metrics.near_tie_bound(RULE, 0.05, {"max": 0.3}, None)
+    assert noisy.value == 0.05, "the profile's cap lowers it, never the other way"
+    # a change that perturbs the target raises its run's noise: with a golden it is not used
+    perturbed = metrics.near_tie_bound(RULE, 0.5, {"max": 0.15}, _golden_data([100] * 3, [], 0.0))
+    assert perturbed.value == 0.0 and "0.15" in perturbed.source, perturbed
+
+
+def _second_choice_outputs(n: int, diverging: int, gap: float) -> tuple[list, list]:
+    ref = [_out([1, 2], [[(1, -0.1)], [(2, -0.6), (9, -0.6 - gap)]]) for _ in range(n)]
+    # the engines agree on every shared token's logprob (-0.1 for token 1): no numerical noise
+    spec = ([_out([1, 9], [[(1, -0.1)], [(9, -0.6)]]) for _ in range(diverging)]
+            + [_out([1, 2], [[(1, -0.1)], [(2, -0.6)]]) for _ in range(n - diverging)])
+    return ref, spec
+
+
+def test_many_small_divergences_fail_the_count_test() -> None:
+    """86 of 100 outputs diverging, each by a gap under the bound: every one a near-tie, and the
+    run still FAILs, naming the count."""
+    ref, spec = _second_choice_outputs(100, 86, gap=0.02)
+    golden = _golden_data([100, 100, 100], [], 0.0)
+    cmp = metrics.judge_outputs(ref, spec, rule=RULE, cap=0.5, golden=None)
+    assert len(cmp.near_ties) == 86 and not cmp.hard
+    v = metrics.verdict(cmp, _acc(1000, [950, 850, 700]), min_mean_acceptance_length=2.0)
+    assert not v.passed and any(r.startswith("too many divergences") for r in v.reasons), v.reasons
+    # against a golden whose three runs never diverged: 4 of 100 pass, 5 do not
+    for k, passed in ((4, True), (5, False)):
+        ref, spec = _second_choice_outputs(100, k, gap=0.02)
+        cmp = metrics.judge_outputs(ref, spec, rule=RULE, cap=0.5, golden=golden, golden_name="g")
+        assert cmp.count is not None and cmp.count.passed is passed, cmp.count
+        assert cmp.hard, "bound 0 on a bit-exact machine: each of them is hard too"
+
+
+def test_the_count_test_allows_what_the_golden_saw() -> None:
+    """A machine whose golden runs flipped 5 of 300 near-ties may flip a few; the AVX2 machine's
+    11 of 100 pass uncalibrated (20%)."""
+    t = metrics.count_test(6, 100, RULE, (5, 300), "g")
+    assert t.passed and t.allowed == 9 and 0.001 < t.p_value < 1, t
+    assert not metrics.count_test(10, 100, RULE, (5, 300), "g").passed
+    assert metrics.count_test(11, 100, RULE, None, "").passed
+    assert not metrics.count_test(21, 100, RULE, None, "").passed
+    assert metrics.divergence_tail(0, 100, 0, 300) == pytest.approx(1.0)
+
+
+def test_counters_that_overstate_acceptance_fail() -> None:
+    """Measured on the H200 (docs/evidence/h200-sensitivity): the release's counters leave 104
+    tokens computed past the ends of 100 outputs of 32 tokens (at most 3 each); a scheduler that
+    counts one rejected draft too few left the outputs identical and its counters 514: FAIL."""
+    sound = metrics.CounterCheck(100, 3200, 977, 2227, 3)
+    assert sound.residual == 104 and sound.passed
+    bad = metrics.CounterCheck(100, 3200, 977, 2637, 3)
+    v = metrics.verdict(_clean(100), _acc(977, [900, 900, 837]), min_mean_acceptance_length=2.0,
+                        counters=bad)
+    assert not bad.passed and not v.passed, v.reasons
+    assert any(r.startswith("acceptance counters overstate") for r in v.reasons), v.reasons

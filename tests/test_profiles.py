@@ -18,7 +18,7 @@ def test_the_three_profiles_carry_the_seed_settings() -> None:
     assert tiny.generated and tiny.tensor_parallel_size == 8 and tiny.device == "cpu"
     for p in map(profiles.get, profiles.names()):
         assert p.min_mean_acceptance_length > 1.0, f"{p.name}: a head accepting nothing would pass"
-        assert 0 < p.near_tie_delta < 1.0 and p.top_logprobs >= 2, p.name
+        assert 0 < p.near_tie_cap < 1.0 and p.top_logprobs >= 2, p.name
     assert profiles.calibration_sigmas() >= 2
     assert 0 < profiles.comparison_sigmas() <= profiles.calibration_sigmas()
 

@@ -27,6 +27,10 @@ def test_rehearsal_at_tp8_passes_with_the_distilled_head(pair, host_rehearsal_tp
         assert d["kind"] == "near-tie" and d["gap"] <= cmp["delta"], d
         assert d["reference_token"] != d["speculative_token"]
     assert cmp["logprob_noise"]["positions"] > 1000, "both engines reported logprobs"
+    bound, count = cmp["near_tie_bound"], cmp["count_test"]  # how the verdict judged the outputs
+    assert bound["value"] == cmp["delta"] <= bound["cap"], bound
+    assert count["passed"] and count["divergences"] == 100 - cmp["matches"] <= count["allowed"]
+    assert any(r.startswith("divergence count:") for r in rec["verdict"]["reasons"])
     assert rec["acceptance"]["mean_acceptance_length"] >= 2.0
     assert len(rec["reference_outputs"]) == 100 and rec["reference_outputs"][0]["top"]
     assert set(rec["phases"]) >= {"reference_engine_start", "reference_generation",

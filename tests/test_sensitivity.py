@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import TIER
 
 from validate import sensitivity
 
@@ -21,7 +22,9 @@ def test_the_sensitivity_suite_catches_every_breakage(sensitivity_suite,
         print("\n" + (table or output[-3000:]))
     report = json.loads((run / "sensitivity.json").read_text())
     outcomes = {o["name"]: o for o in report["outcomes"]}
-    expected = {b.name: b.expect for b in sensitivity.catalogue()}
+    expected = {b.name: b.expect for b in sensitivity.chosen(None, TIER)}
+    classes = {b.kind for b in sensitivity.catalogue()}
+    assert {b.kind for b in sensitivity.chosen(None, TIER)} == classes, "every class of fault runs"
     assert set(outcomes) == {"release (unpatched)", *expected}, sorted(outcomes)
     assert outcomes["release (unpatched)"]["verdict"] == "PASS", outcomes["release (unpatched)"]
     wrong = {name: (o["verdict"], o["mean_acceptance"], o["detail"]) for name, o in outcomes.items()
@@ -29,3 +32,6 @@ def test_the_sensitivity_suite_catches_every_breakage(sensitivity_suite,
     assert not wrong, f"judged other than expected (a missed breakage, or a control that cried wolf): {wrong}"
     assert all(o["verdict"] in ("PASS", "FAIL", "ERROR") for o in outcomes.values()), outcomes
     assert code == 0 and report["missed"] == [], output[-3000:]
+    lossy = [o for o in outcomes.values() if o["kind"] == "lossy"]
+    assert lossy and all(o["caught_by"] and "divergences" in o["caught_by"] for o in lossy), (
+        f"a lossy acceptance rule must be caught by its divergences, not only by chance: {lossy}")

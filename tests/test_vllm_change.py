@@ -139,6 +139,8 @@ def test_every_breakage_of_the_catalogue_applies_to_the_pinned_vllm(vllm_here) -
     assert {"what the head receives", "weight loading", "positions", "norms",
             "what it shares with the target", "tensor-parallel sharding",
             "the drafting loop"} <= places
+    assert {b.kind for b in catalogue} == {"head", "sharing", "drafting", "lossy", "bookkeeping",
+                                           "control"}, "every class of fault, the acceptance rule's too"
     hunks = set()
     for b in catalogue:
         change = vllm_change.from_patch(b.patch, sys.executable)

@@ -18,9 +18,7 @@ from rich.panel import Panel
 from validate import commands, contract, hub, profiles
 from validate.commands import HEADS, console
 from validate.contract import BadInput, Exit
-from validate.record import RunRecord
-
-E2E_SCRIPT = Path(__file__).parent / "e2e" / "test_llama4_eagle_tp8.py"
+from validate.record import NO_SPACE, RunRecord
 
 
 def report(rec: RunRecord) -> None:
@@ -118,7 +116,8 @@ def compare(args: argparse.Namespace) -> Exit:
     for t in report["times"]:
         table.add_row(f"{t['phase']} (s)", str(t["baseline"]), str(t["candidate"]), "", "", "")
     console.print(table)
-    style = {"REGRESSION": "bold red", "OK": "green", "IMPROVED": "bold green"}[report["verdict"]]
+    style = {"REGRESSION": "bold red", "OK": "green", "IMPROVED": "bold green"}.get(
+        report["verdict"], "bold red")
     console.print(f"[{style}]{report['verdict']}[/]: " + escape("; ".join(report["reasons"])))
     return code
 
@@ -132,15 +131,16 @@ def sensitivity(args: argparse.Namespace) -> Exit:
     outcomes, code = suite.run(args, log=lambda line: console.print(line, markup=False))
     table = Table(title="sensitivity: every breakage must FAIL or ERROR; the release and the "
                   "controls PASS")
-    for col in ("change", "place", "expected", "mean acceptance", "hard", "verdict", "seconds",
-                "why"):
+    for col in ("change", "class", "expected", "mean acceptance", "divergent", "hard", "verdict",
+                "caught by", "seconds", "why"):
         table.add_column(col, overflow="fold")
     for o in outcomes:
         acc = "-" if o.mean_acceptance is None else f"{o.mean_acceptance:.3f}"
-        table.add_row(o.name, o.place, "PASS" if o.expect == "pass" else "FAIL/ERROR", acc,
+        table.add_row(o.name, o.kind or "-", "PASS" if o.expect == "pass" else "FAIL/ERROR", acc,
+                      "-" if o.divergences is None else str(o.divergences),
                       "-" if o.hard is None else str(o.hard),
-                      f"[{'green' if o.ok else 'bold red'}]{o.verdict}[/]", f"{o.seconds:.0f}",
-                      escape(o.detail))
+                      f"[{'green' if o.ok else 'bold red'}]{o.verdict}[/]", o.caught_by or "-",
+                      f"{o.seconds:.0f}", escape(o.detail))
     console.print(table)
     wrong = [o.name for o in outcomes if not o.ok]
     if code == Exit.PASS:
@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     _suite_options(se)
     se.add_argument("--only", action="append", default=None, metavar="NAME",
                     help="run only this breakage (repeatable)")
+    se.add_argument("--tier", choices=("full", "ci"), default="full",
+                    help="full: the whole catalogue; ci: the CI subset (`ci = true` in "
+                    "validate/data/breakages.toml: every class of fault, the hardest first)")
     se.set_defaults(func=sensitivity)
     lr = sub.add_parser("lock-requirements",
                         help="lock the CPU image's Python packages with hashes (needs uv)")
@@ -338,6 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     except hub.FetchError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            raise
+        console.print(f"[bold red]the run broke:[/] no space left on device ({exc.filename or exc}); "
+                      "free space there and run again")
+        return Exit.BROKEN
+    except contract.KitError as exc:  # the record already says it (a full disk under a run folder)
+        console.print(f"[bold red]the run broke:[/] {exc}")
+        return contract.KIND_EXIT[exc.kind]
     except KeyboardInterrupt:
-        console.print("[red]interrupted[/]: finished downloads are kept; run the same command again")
+        console.print("[red]interrupted[/] (Ctrl-C or SIGTERM): a run's record says where it stopped; "
+                      "a fetch keeps every finished file; run the same command again to go on")
         return Exit.INTERRUPTED

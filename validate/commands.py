@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from validate import compat, hub, preflight, profiles, vllm_change, weights_lock
+from validate import compat, files, hub, preflight, profiles, record, vllm_change, weights_lock
 from validate.contract import (
     BadInput,
     BadRecord,
@@ -37,7 +37,7 @@ from validate.contract import (
     e2e_argv,
     exit_code,
 )
-from validate.record import RunRecord
+from validate.record import DiskFull, RunRecord
 
 HEADS = {"trained": "generated:head", "random": "generated:random-head"}
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -53,6 +53,31 @@ def profile_for(args: argparse.Namespace) -> profiles.Profile:
     if problems := profile.problems():
         raise BadInput("; ".join(problems))
     return profile
+
+
+def check_golden(golden: str | None, profile: profiles.Profile) -> None:
+    """``--golden FILE`` refused (exit 2) before anything is generated, built or started unless it
+    can be read and is of this profile, TP and (on CPU, where the host can tell) device class:
+    falling back to the floors would hide that the golden asked for was never used."""
+    if golden in (None, "auto", "none"):
+        return
+    from validate import device_class, goldens
+
+    path = Path(golden)
+    hint = goldens.regenerate_hint(profile.name, profile.tensor_parallel_size)
+    if not path.is_file():
+        raise BadInput(f"--golden {golden}: no such file; pass a golden from "
+                       f"validate/data/goldens/, `--golden auto` (the one for this machine), or "
+                       f"make one with {hint}")
+    g = goldens.load(path, regenerate=hint)
+    here = device_class.cpu() if profile.device == "cpu" else g["device_class"]
+    for key, have, want in (("profile", g["profile"], profile.name),
+                            ("tensor_parallel_size", g["tensor_parallel_size"],
+                             profile.tensor_parallel_size),
+                            ("device_class", g["device_class"], here)):
+        if have != want:
+            raise BadInput(f"--golden {golden} does not apply: its {key} is {have!r}, this run's "
+                           f"is {want!r}; use `--golden auto`, or make one with {hint}")
 
 
 def _generated_pair() -> Path:
@@ -148,6 +173,8 @@ def on_host(rec: RunRecord, profile: profiles.Profile, target: str, draft: str,
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(vllm_change.cache_env(change) if change else {})}
     # Its own process group: a signal meant for the run reaches the script and vLLM's workers
     # together, and whatever is left of the group when the script ends is ended with it.
+    # (its own session keeps a terminal's Ctrl-C, which the kit forwards, from reaching it twice;
+    # if the kit dies, the script notices and stops itself: validate/e2e/__main__.py)
     proc = subprocess.Popen([sys.executable, "-m", "validate.e2e", *argv], env=env,
                             start_new_session=True)
     try:
@@ -317,8 +344,14 @@ def finish(host: RunRecord, how: str, interrupted: bool = False) -> tuple[RunRec
             rec.end(ErrorKind.BROKEN, f"the engine side stopped during {where} without finishing "
                     f"the record ({how})", where=where)
     argv = " ".join(["python -m validate", *(shlex.quote(a) for a in sys.argv[1:])])
-    rec.update(invocation={"argv": argv, "kit_commit": git_commit(), "kit_version": kit_version()})
-    rec.write_reports()
+    try:
+        rec.update(invocation={"argv": argv, "kit_commit": git_commit(),
+                               "kit_version": kit_version()},
+                   **({"previous_runs_cut_off": host.data["previous_runs_cut_off"]}
+                      if host.data.get("previous_runs_cut_off") else {}))
+        rec.write_reports()
+    except DiskFull as exc:  # the lean record on disk says it: the run broke (exit 4)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}")
     return rec, exit_code(rec.data)
 
 
@@ -329,14 +362,25 @@ def run(args: argparse.Namespace, profile: profiles.Profile, target: str, draft:
         from validate import containers
 
         containers.Engine()
+    previous = record.cut_off_runs()
     host = new_run(args, profile)
+    if previous:
+        host.update(previous_runs_cut_off=previous)
+        for p in previous:
+            console.print(f"[bold yellow]a previous run was cut off[/]: {p['run_dir']} (kit "
+                          f"process {p['pid']} gone, record {p['status']}"
+                          + (f", ended broken at {p['where']}" if p.get("ended_as") else "") + ")")
+    entry = record.enter_ledger(host.dir)
     launch = in_container if container else on_host
-    with signals_as_interrupt():
-        try:
-            how = launch(host, profile, target, draft, args)
-        except KeyboardInterrupt:
-            return finish(host, "Ctrl-C or SIGTERM", interrupted=True)
-    return finish(host, how)
+    try:
+        with signals_as_interrupt():
+            try:
+                how = launch(host, profile, target, draft, args)
+            except KeyboardInterrupt:
+                return finish(host, "Ctrl-C or SIGTERM", interrupted=True)
+        return finish(host, how)
+    finally:
+        record.leave_ledger(entry)
 
 
 def rehearse(args: argparse.Namespace) -> tuple[RunRecord, Exit]:
@@ -345,6 +389,7 @@ def rehearse(args: argparse.Namespace) -> tuple[RunRecord, Exit]:
     profile = profile_for(args)
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}; "
                   f"TP={profile.tensor_parallel_size}")
+    check_golden(args.golden, profile)
     if args.full:
         return rehearse_full(args)
     # before anything is generated or started: a change that cannot work is refused here (in a
@@ -392,7 +437,7 @@ def rehearse_full(args: argparse.Namespace) -> tuple[RunRecord | None, Exit]:
     check(profile, str(pair / "target"), str(pair / "head"))
     token = os.environ.get("HF_TOKEN") or f"hf_rehearsal{secrets.token_hex(16)}"
     manifest = (pair / "pair.json").read_bytes()  # the weights' identity, for the goldens
-    work = Path(tempfile.mkdtemp(prefix="full-rehearsal-", dir=hub.state_dir()))
+    work = Path(tempfile.mkdtemp(prefix="full-rehearsal-", dir=files.state_dir()))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     with loopback_hub.serving(loopback_hub.Hub()) as fake:
         for role, repo in FULL_REPOS.items():
@@ -499,6 +544,7 @@ def validate(args: argparse.Namespace) -> tuple[RunRecord, Exit] | tuple[list[pr
         profile = profile.with_overrides(target=args.target_repo, draft=args.draft_repo)
     container = not args.no_container
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}")
+    check_golden(args.golden, profile)
     vllm_change.precheck(args)  # before preflight, fetch or build: a change that cannot work
     if not container and (change := vllm_change.from_args(args, sys.executable)):
         args.vllm_under_test = change

@@ -20,9 +20,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from validate import goldens, metrics, profiles, vllm_change
-from validate.contract import BadInput, Exit
-from validate.record import atomic_write
+from validate import device_class, goldens, metrics, profiles, vllm_change
+from validate.contract import BadInput, BadRecord, Exit
+from validate.files import atomic_write
+from validate.record import RunRecord
 
 PHASES = ("speculative_engine_start", "speculative_generation")
 
@@ -38,9 +39,9 @@ def one_run(run_dir: Path, sized: list[str], extra: list[str],
     with open(logfile, "w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
     seconds = time.monotonic() - t
-    try:
-        rec = json.loads((run_dir / "record.json").read_text())
-    except (OSError, ValueError):
+    try:  # checked against the contract: a damaged or foreign record is no run's result
+        rec = RunRecord.load(run_dir).data
+    except BadRecord:
         rec = None
     log(f"  exit {code} in {seconds:.0f} s (log {logfile})")
     return code, rec, seconds
@@ -103,9 +104,35 @@ def candidate(base: Path, name: str, sized: list[str], change: list[str], golden
                    log)
 
 
+def baseline_golden(path: Path, profile: profiles.Profile) -> dict[str, Any]:
+    """``--baseline-golden``, refused (exit 2) before any engine unless it is of this profile, TP
+    and (on CPU, where the host can tell) device class: another's figures say nothing here."""
+    golden = goldens.load(path, regenerate="`nox -s compare` (its golden.json) or `nox -s calibrate`")
+    tp = profile.tensor_parallel_size
+    here = device_class.cpu() if profile.device == "cpu" else None
+    for key, have, want in (("profile", golden["profile"], profile.name),
+                            ("tensor_parallel_size", golden["tensor_parallel_size"], tp),
+                            ("device_class", golden["device_class"], here or golden["device_class"]),
+                            *((f"conditions.{k}", golden["conditions"].get(k), getattr(profile, k))
+                              for k in goldens.PROFILE_KEYS)):
+        if have != want:
+            raise BadInput(f"--baseline-golden {path} does not apply: its {key} is {have!r}, this "
+                           f"comparison's is {want!r}; use a golden of profile {profile.name} at "
+                           f"TP={tp} made on this machine class (`nox -s compare` without "
+                           "--baseline-golden makes one)")
+    return golden
+
+
+# How a candidate run that gave no verdict ends compare: its own exit code, never REGRESSION (a
+# bad input or a wrong environment says nothing about the change); a crash is the run breaking.
+NOT_JUDGED = {Exit.BAD_INPUT: "NOT RUN", Exit.ENVIRONMENT: "NOT RUN", Exit.INTERRUPTED: "NOT RUN",
+              Exit.PREFLIGHT: "NOT RUN"}
+
+
 def run(args: argparse.Namespace, log: Any = print) -> tuple[dict[str, Any], Exit]:
     """Baseline and candidate, side by side; (report, exit code)."""
     profile, sized = sized_profile(args)
+    given = baseline_golden(Path(args.baseline_golden), profile) if args.baseline_golden else None
     vllm_change.precheck(args)  # a change that cannot run: refused now
     # on this host: the overlay is made (and a patch applied) before the baseline's minutes;
     # in an image, the candidate's run checks it against the image's own vLLM
@@ -113,9 +140,9 @@ def run(args: argparse.Namespace, log: Any = print) -> tuple[dict[str, Any], Exi
         args, "no_container", False)
     change = vllm_change.from_args(args, sys.executable) if here else None
     base = suite_folder(args, "compare", profile.tensor_parallel_size)
-    if args.baseline_golden:  # a golden of the release (calibrate, or an earlier compare's)
+    if given is not None:  # a golden of the release (calibrate, or an earlier compare's)
         golden, rec_b = Path(args.baseline_golden), None
-        baseline = metrics.Figures.of_golden(goldens.load(golden, regenerate="`nox -s compare`"))
+        baseline = metrics.Figures.of_golden(given)
         log(f"baseline: the golden {golden}")
     else:
         code_b, rec_b, _, made = release_baseline(base, sized, log)
@@ -123,7 +150,7 @@ def run(args: argparse.Namespace, log: Any = print) -> tuple[dict[str, Any], Exi
             raise BadInput(f"the pinned release does not PASS here (exit {code_b}; see "
                            f"{base / 'release.log'}): there is no baseline to compare with")
         golden = made
-        baseline = metrics.Figures.of_run(rec_b["acceptance"], rec_b["comparison"]["hard"])
+        baseline = metrics.Figures.of_run(rec_b["acceptance"], rec_b["comparison"])
     log(f"candidate: {change.describe() if change else ' '.join(vllm_change.passed_on(args))}")
     code_c, rec_c, _ = candidate(base, "candidate", sized, vllm_change.passed_on(args), golden, log)
     report: dict[str, Any] = {"profile": profile.to_dict(),
@@ -132,19 +159,23 @@ def run(args: argparse.Namespace, log: Any = print) -> tuple[dict[str, Any], Exi
                               "vllm_under_test": (rec_c or {}).get("vllm_under_test")
                               or (change.to_dict() if change else None),
                               "times": _times(rec_b, rec_c)}
-    if rec_c is None or not rec_c.get("acceptance"):
+    ended = Exit.REGRESSION
+    if rec_c is None or not rec_c.get("acceptance") or not rec_c.get("comparison"):
         err = (rec_c or {}).get("error") or {}
-        report.update(verdict="REGRESSION", rows=[], new_hard=None, reasons=[
-            f"the candidate's run ended with exit {code_c} and no acceptance: "
-            f"{err.get('kind', 'no record')}: {str(err.get('message', ''))[:300]}"])
+        ended = Exit(code_c) if code_c in NOT_JUDGED else Exit.BROKEN
+        report.update(verdict=NOT_JUDGED.get(ended, "BROKEN"), rows=[], new_hard=None, reasons=[
+            f"the candidate's run ended with exit {code_c} before a verdict "
+            f"({err.get('kind', 'no record')}: {str(err.get('message', ''))[:300]}); see "
+            f"{base / 'candidate.log'}"])
     else:
         v = metrics.compare_change(baseline, metrics.Figures.of_run(rec_c["acceptance"],
-                                                                   rec_c["comparison"]["hard"]),
+                                                                   rec_c["comparison"]),
                                    sigmas=profiles.comparison_sigmas())
         report.update(verdict=v.word, rows=v.rows, new_hard=v.new_hard, reasons=v.reasons)
+        ended = Exit.REGRESSION if v.word == "REGRESSION" else Exit.PASS
     atomic_write(base / "compare.json", json.dumps(report, indent=1) + "\n")
     atomic_write(base / "compare.md", markdown(report))
-    return report, Exit.REGRESSION if report["verdict"] == "REGRESSION" else Exit.PASS
+    return report, ended
 
 
 def _times(rec_b: dict[str, Any] | None, rec_c: dict[str, Any] | None) -> list[dict[str, Any]]:

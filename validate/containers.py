@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from validate.contract import EnvironmentProblem
-from validate.record import atomic_write
+from validate.files import atomic_write
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINERS = ROOT / "containers"

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from validate import contract, metrics
-from validate.record import atomic_write
+from validate.files import atomic_write
 
-SCHEMA = 1
+SCHEMA = 2  # 2: a summary first, one line per reference output (1 was one number per line)
 DIR = Path(__file__).parent / "data" / "goldens"
+MAX_BYTES = 300_000  # a recalibration must stay a reviewable diff (tests/test_goldens.py)
 
 # What must be equal between a golden and a run for the golden to apply, beyond its file name.
 PROFILE_KEYS = ("prompt_set", "num_prompts", "max_tokens", "num_speculative_tokens", "dtype",
@@ -136,5 +137,29 @@ def make(records: list[dict[str, Any]], *, sigmas: float) -> dict[str, Any]:
     }
 
 
+def summary(golden: dict[str, Any]) -> dict[str, Any]:
+    """The figures a reviewer reads first, at the top of the file."""
+    acc = golden["acceptance"]
+    mal = acc["mean_acceptance_length"]
+    return {"mean_acceptance_length": round(mal["mean"], 4), "tolerance": round(mal["tolerance"], 4),
+            "per_position": [f"{p['mean']:.3f} - {p['tolerance']:.3f}"
+                             for p in acc["per_position_rate"]],
+            "runs": golden["runs"], "identical_outputs_per_run": golden.get("exact_match"),
+            "largest_near_tie_gap": max(golden.get("divergence_gaps") or [0.0]),
+            "largest_logprob_noise": max([float((n or {}).get("max") or 0.0)
+                                          for n in golden.get("logprob_noise", [])] or [0.0])}
+
+
+def dumps(golden: dict[str, Any]) -> str:
+    """JSON in the order a reviewer reads it: the summary, the figures and their conditions, then
+    the reference outputs one line each (a recalibration's diff is a few lines of figures and one
+    line per prompt whose output moved, not 74,000 lines of numbers)."""
+    head = {"schema": SCHEMA, "summary": summary(golden),
+            **{k: v for k, v in golden.items() if k not in ("schema", "summary", "reference")}}
+    text = json.dumps(head, indent=1)
+    refs = ",\n".join("  " + json.dumps(o, separators=(",", ":")) for o in golden["reference"])
+    return text[:-2] + ',\n "reference": [\n' + refs + "\n ]\n}\n"
+
+
 def write(path: Path, golden: dict[str, Any]) -> None:
-    atomic_write(Path(path), json.dumps(golden, indent=1) + "\n")
+    atomic_write(Path(path), dumps(golden))

@@ -37,7 +37,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from validate import profiles, weights_lock
 from validate.contract import Exit
-from validate.record import atomic_write
+from validate.files import atomic_write, state_dir
 from validate.weights_lock import RepoLock, check_commit, check_repo, safe_name
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -68,12 +68,6 @@ class FetchInterrupted(FetchError):
 
 def default_lock_path() -> Path:
     return Path(str(resources.files("validate.data").joinpath("weights.lock.json")))
-
-
-def state_dir() -> Path:
-    base = os.environ.get("VALIDATE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llama4-eagle-validate")
-    return Path(base)
 
 
 def load_lock(path: Path) -> dict[str, RepoLock]:
@@ -251,11 +245,19 @@ def download_root(cache_dir: Path | None, local_dir: Path | None) -> Path:
     return Path(local_dir or cache_dir or constants.HF_HUB_CACHE)
 
 
+RESUME_CHUNK = 1 << 20  # bytes: what a dropped connection can cost (see download)
+
+
 def download(repo: str, lock: RepoLock, *, cache_dir: Path | None, local_dir: Path | None) -> Path:
     """Dry run, disk check, then the download (huggingface_hub shows bytes, rate and time left,
     resumes ``.incomplete`` files and skips files already in place)."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
+    # huggingface_hub resumes a broken transfer from the bytes it wrote, and it writes whole
+    # chunks of DOWNLOAD_CHUNK_SIZE (10 MiB): a connection that drops 9 MiB into a chunk restarts
+    # it, one that drops in a file's first 10 MiB restarts the file at byte 0. It takes no
+    # parameter for this, so the module's constant is set: at most 1 MiB is fetched twice.
+    constants.DOWNLOAD_CHUNK_SIZE = RESUME_CHUNK
     files = sorted(lock.files)
     kwargs: dict[str, Any] = dict(revision=lock.revision, allow_patterns=files,
                                   cache_dir=cache_dir, local_dir=local_dir)
@@ -334,7 +336,7 @@ def verify(repo: str, folder: Path, lock: RepoLock) -> dict[str, str]:
     worker; hashlib releases the GIL), with a progress bar over bytes.
     """
     state_file = _state_path(repo, lock.revision)
-    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    state = _verified_state(state_file)
     problems: dict[str, str] = {}
     todo: list[str] = []
     for name, want in lock.files.items():
@@ -373,6 +375,20 @@ def verify(repo: str, folder: Path, lock: RepoLock) -> dict[str, str]:
         state.pop(name, None)
     atomic_write(state_file, json.dumps(state, indent=1))
     return problems
+
+
+def _verified_state(path: Path) -> dict[str, Any]:
+    """The record of files verified before (only a cache: what it says is re-checked against each
+    file's stat, and a damaged one means hashing again, never a traceback)."""
+    try:
+        state = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError, RecursionError):
+        state = None
+    if not isinstance(state, dict):
+        console.print(f"[yellow]ignoring a damaged verification record[/] {path}: every file is "
+                      "hashed again")
+        return {}
+    return state
 
 
 def _root(folder: Path) -> Path:
@@ -478,5 +494,14 @@ def _remember(repo: str, lock: RepoLock) -> None:
 
 
 def _last_resolved(repo: str) -> RepoLock | None:
+    """What the last online fetch resolved, checked as a lock entry is (its revision and file
+    names become paths); a damaged record is refused naming the file and the way out."""
     path = state_dir() / "resolved" / f"{repo.replace('/', '--')}.json"
-    return RepoLock(**json.loads(path.read_text())) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return weights_lock.entry(repo, json.loads(path.read_text()), str(path))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise weights_lock.BadLock(f"the kit's record of {repo} at {path} is damaged ({exc}); "
+                                   "delete it and fetch once online, or pin the repository in the "
+                                   "lock file (`nox -s lock`)") from None

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from validate.contract import EnvironmentProblem
-from validate.record import atomic_write
+from validate.files import atomic_write
 
 ROOT = Path(__file__).resolve().parent.parent
 INPUTS = ("requirements/torch-cpu.txt", "requirements/cpu-engine.txt")

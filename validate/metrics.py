@@ -11,7 +11,13 @@ scores the target's tokens in batched verification passes, the reference engine 
 time; in bf16 the two can disagree on a token whose best and second-best logprobs are almost
 equal, and from there the outputs differ. Such a flip is noise, not a bug; a token the target
 clearly did not prefer is a bug. So every first divergence is scored under the reference (its
-top-k logprobs at that position) and called a near-tie (gap <= delta) or a hard divergence.
+top-k logprobs at that position) and called a near-tie (gap <= the near-tie bound) or a hard
+divergence. The bound is measured, not fixed (``near_tie_bound``): the two engines' logprob noise
+in this run and in the golden's runs, and the golden's own clean-run gaps, each with a documented
+margin, capped by the profile. And the near-ties are counted (``count_test``): a speculative path
+that keeps tokens the target would not choose makes most outputs diverge by small gaps, which a
+per-divergence bound alone can take for noise; more divergences than the golden's runs allow is a
+FAIL of its own.
 """
 
 from __future__ import annotations
@@ -181,9 +187,11 @@ def first_divergence(index: int, ref: Output, spec: Output, delta: float) -> Div
 class Comparison:
     total: int
     matches: int
-    delta: float
+    delta: float  # the near-tie bound these divergences were classified with
     divergences: list[Divergence] = field(default_factory=list)
     logprob_noise: dict[str, Any] = field(default_factory=dict)
+    bound: NearTieBound | None = None
+    count: CountTest | None = None
 
     @property
     def ratio(self) -> float:
@@ -202,7 +210,9 @@ class Comparison:
         return {"total": self.total, "matches": self.matches, "ratio": self.ratio,
                 "delta": self.delta, "near_ties": len(self.near_ties), "hard": len(self.hard),
                 "divergences": [asdict(d) for d in self.divergences],
-                "logprob_noise": self.logprob_noise}
+                "logprob_noise": self.logprob_noise,
+                "near_tie_bound": asdict(self.bound) if self.bound else None,
+                "count_test": asdict(self.count) if self.count else None}
 
 
 def logprob_noise(reference: list[Output], speculative: list[Output]) -> dict[str, Any]:
@@ -233,6 +243,190 @@ def compare(reference: list[Output], speculative: list[Output], *, delta: float)
             if (d := first_divergence(i, r, s, delta)) is not None]
     return Comparison(total=len(reference), matches=len(reference) - len(divs), delta=delta,
                       divergences=divs, logprob_noise=logprob_noise(reference, speculative))
+
+
+@dataclass(frozen=True)
+class NearTieRule:
+    """How the near-tie bound and the count test are derived (``profiles.toml`` ``[near_tie]``,
+    where each number's measurement is written down)."""
+
+    noise_margin: float  # x the largest logprob difference of one token between the engines
+    gap_margin: float  # x the largest near-tie gap of clean runs
+    known_gap: float  # that gap where no golden applies: the largest this project measured
+    alpha: float  # the count test's one-sided level
+    uncalibrated_share: float  # no golden: the share of outputs that may diverge
+
+
+@dataclass
+class NearTieBound:
+    """The gap (nats) under which a divergence counts as the engines' numerics, and why."""
+
+    value: float
+    cap: float  # the profile's: it may lower the bound, never raise it past what was measured
+    noise: float  # the largest logprob noise the bound covers (this run, the golden's runs)
+    gap: float  # the largest clean-run gap it covers (the golden's, else the known one)
+    noise_margin: float
+    gap_margin: float
+    source: str
+
+    def describe(self) -> str:
+        capped = " (the profile's cap)" if self.value == self.cap else ""
+        return (f"near-tie bound {self.value:.4f} nats{capped} = min(cap {self.cap}, max("
+                f"{self.noise_margin:g} x logprob noise {self.noise:.2g}, {self.gap_margin:g} x "
+                f"clean gap {self.gap:.3f})); {self.source}")
+
+
+def _noise_max(noise: dict[str, Any] | None) -> float:
+    return float((noise or {}).get("max") or 0.0)
+
+
+def near_tie_bound(rule: NearTieRule, cap: float, run_noise: dict[str, Any],
+                   golden: dict[str, Any] | None) -> NearTieBound:
+    """The near-tie bound for one run, from what was measured.
+
+    A flip needs the two engines to disagree about the two tokens' logprobs by more than their gap,
+    so the bound covers the largest disagreement seen times ``noise_margin`` (flips sit where the
+    engines' arithmetic differs most, measured up to 4.9x the largest shared-prefix noise) and the
+    largest gap a clean run of this device class flipped at, times ``gap_margin``. Where a golden
+    applies, both come from the golden's runs alone, made with a sound vLLM under the same
+    conditions: a change that perturbs the target raises this run's own noise (0.15 nats for a
+    scheduler that keeps a rejected draft in the target's context), and must not widen its own
+    bound with it. Without a golden, this run's noise and the largest gap this project measured
+    on any machine stand in. A machine whose engines agree to the last bit and whose golden never
+    diverged gets a bound of 0: there, any divergence is the speculative path's.
+    """
+    run = _noise_max(run_noise)
+    if golden is not None:
+        noise = max([_noise_max(n) for n in golden.get("logprob_noise", [])] or [0.0])
+        gap = max(golden.get("divergence_gaps") or [0.0])
+        source = (f"from the golden's clean runs (this run's own logprob noise, {run:.2g}, is "
+                  "reported, not used: a changed target must not widen its own bound)")
+    else:
+        noise, gap = run, rule.known_gap
+        source = ("no golden applies: this run's logprob noise and the largest near-tie gap this "
+                  "project measured on a sound vLLM")
+    value = min(cap, max(rule.noise_margin * noise, rule.gap_margin * gap))
+    return NearTieBound(value=value, cap=cap, noise=noise, gap=gap, noise_margin=rule.noise_margin,
+                        gap_margin=rule.gap_margin, source=source)
+
+
+def _log_beta(a: float, b: float) -> float:
+    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+
+
+def divergence_tail(d: int, n: int, ref_divergences: int, ref_prompts: int) -> float:
+    """P(at least ``d`` of ``n`` outputs diverge) for a vLLM as sound as the reference, whose runs
+    had ``ref_divergences`` of ``ref_prompts``: the beta-binomial predictive with Jeffreys' prior
+    (the reference's rate is itself estimated from few runs, and may be 0 of 300). Written here
+    because it is four lines; scipy would be a dependency of the pure verdict for one function."""
+    a, b = ref_divergences + 0.5, ref_prompts - ref_divergences + 0.5
+    log_b = _log_beta(a, b)
+    return min(1.0, sum(math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+                                 + _log_beta(k + a, n - k + b) - log_b) for k in range(d, n + 1)))
+
+
+@dataclass
+class CountTest:
+    """Is the number of divergent outputs what a sound vLLM gives here? One-sided: only more
+    divergences than the reference's runs allow fail."""
+
+    divergences: int
+    prompts: int
+    reference_divergences: int | None  # None: no golden applies (the uncalibrated share decides)
+    reference_prompts: int | None
+    allowed: int  # the most divergent outputs that pass
+    p_value: float | None
+    alpha: float
+    passed: bool
+    source: str
+
+    def describe(self) -> str:
+        if self.reference_prompts is None:
+            return (f"divergence count: {self.divergences} of {self.prompts} outputs left the "
+                    f"reference, at most {self.allowed} allowed ({self.source})")
+        return (f"divergence count: {self.divergences} of {self.prompts} outputs left the reference; "
+                f"the reference's runs had {self.reference_divergences} of "
+                f"{self.reference_prompts}, so a sound vLLM gives at most {self.allowed} here "
+                f"(one-sided beta-binomial test at {self.alpha:g}; p = {self.p_value:.2g}; "
+                f"{self.source})")
+
+
+def count_test(divergences: int, prompts: int, rule: NearTieRule,
+               reference: tuple[int, int] | None, source: str) -> CountTest:
+    """``reference``: (divergent outputs, outputs) of the golden's or baseline's runs, or None."""
+    if reference is None or reference[1] <= 0:
+        allowed = math.floor(rule.uncalibrated_share * prompts)
+        return CountTest(divergences, prompts, None, None, allowed, None, rule.alpha,
+                         divergences <= allowed, source or f"uncalibrated: the profile allows "
+                         f"{rule.uncalibrated_share:.0%} of outputs to diverge")
+    ref_d, ref_n = reference
+    allowed = next((d - 1 for d in range(prompts + 1)
+                    if divergence_tail(d, prompts, ref_d, ref_n) < rule.alpha), prompts)
+    p = divergence_tail(divergences, prompts, ref_d, ref_n)
+    return CountTest(divergences, prompts, ref_d, ref_n, allowed, p, rule.alpha,
+                     divergences <= allowed, source)
+
+
+def golden_divergences(golden: dict[str, Any]) -> tuple[int, int]:
+    """(divergent outputs, outputs) over a golden's runs."""
+    n = int(golden["conditions"]["num_prompts"])
+    matches = [int(m) for m in golden.get("exact_match", [])]
+    return sum(n - m for m in matches), n * len(matches)
+
+
+def judge_outputs(reference: list[Output], speculative: list[Output], *, rule: NearTieRule,
+                  cap: float, golden: dict[str, Any] | None, golden_name: str = "") -> Comparison:
+    """The comparison the verdict reads: the bound from this run's noise and the golden, every
+    first divergence classified with it, and the divergences counted against the golden's."""
+    noise = logprob_noise(reference, speculative)
+    bound = near_tie_bound(rule, cap, noise, golden)
+    cmp = compare(reference, speculative, delta=bound.value)
+    ref = golden_divergences(golden) if golden is not None else None
+    cmp.bound = bound
+    cmp.count = count_test(len(cmp.divergences), cmp.total, rule, ref,
+                           f"golden {golden_name}" if golden is not None else "")
+    return cmp
+
+
+@dataclass
+class CounterCheck:
+    """Do vLLM's acceptance counters agree with the tokens the engine returned?
+
+    Greedy speculative decoding emits, per verification step, the accepted drafts plus one token
+    of the target's; each request's first token comes from its prefill. So over n requests
+    ``n + drafts + accepted - generated`` is what the last step of each request computed past its
+    end (max_tokens or EOS): between 0 and ``num_speculative_tokens`` per request. More means the
+    counters claim acceptance the outputs do not show: a bookkeeping bug that overstates
+    acceptance would otherwise pass every other part of the verdict (on the H200, a scheduler that
+    counts one rejected draft too few left the outputs identical and read 3.699 for 3.279).
+    """
+
+    requests: int
+    generated: int
+    drafts: int
+    accepted: int
+    num_speculative_tokens: int
+
+    @property
+    def residual(self) -> int:
+        return self.requests + self.drafts + self.accepted - self.generated
+
+    @property
+    def most(self) -> int:
+        return self.requests * self.num_speculative_tokens
+
+    @property
+    def passed(self) -> bool:
+        return self.residual <= self.most
+
+    def describe(self) -> str:
+        return (f"counters against outputs: {self.requests} requests + {self.drafts} drafts + "
+                f"{self.accepted} accepted - {self.generated} generated tokens = {self.residual} "
+                f"computed past the outputs' ends, {'<=' if self.passed else '>'} {self.most} "
+                f"({self.num_speculative_tokens} per request)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "residual": self.residual, "most": self.most, "passed": self.passed}
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,7 +534,8 @@ def _acceptance_vs(acc: Acceptance, exp: Expectation, what: str) -> tuple[bool, 
 
 def verdict(comparison: Comparison, acceptance: Acceptance, *, min_mean_acceptance_length: float,
             golden: Expectation | None = None, uncalibrated_because: str = "",
-            tp_reference: Expectation | None = None) -> Verdict:
+            tp_reference: Expectation | None = None,
+            counters: CounterCheck | None = None) -> Verdict:
     """PASS needs: no hard divergence AND acceptance at or above the golden (overall and per
     position), or above the profile's floor when no golden applies (then ``uncalibrated``). At
     TP > 1 where a TP=1 golden applies, acceptance against it is reported (TP invariance), not
@@ -356,13 +551,23 @@ def verdict(comparison: Comparison, acceptance: Acceptance, *, min_mean_acceptan
         gaps = [d.gap for d in c.near_ties if d.gap is not None]
         reasons.append(
             f"outputs: {c.matches}/{c.total} identical to the reference; {len(c.near_ties)} "
-            f"near-tie divergence(s) (gap <= delta {c.delta} nats"
+            f"near-tie divergence(s) (gap <= {c.delta:.4f} nats"
             + (f", largest {max(gaps):.3f}" if gaps else "") + f"), {len(c.hard)} hard")
+    if c.bound is not None:
+        reasons.append(c.bound.describe())
     ok_out = not c.hard
     if c.hard:
         reasons.append("hard divergence: the speculative output took a token the target did not "
                        "prefer (beyond numerical noise), so the speculative path changes the "
                        "target's computation: " + "; ".join(d.describe() for d in c.hard[:3]))
+    if c.count is not None:
+        reasons.append(c.count.describe())
+        if not c.count.passed:
+            ok_out = False
+            reasons.append("too many divergences: greedy speculative decoding must reproduce the "
+                           "target's own greedy choices, and this run left them more often than "
+                           "numerical noise does here, so the speculative path keeps tokens the "
+                           "target would not choose (however small each gap)")
 
     if golden is not None:
         ok_acc, lines = _acceptance_vs(acceptance, golden, "acceptance")
@@ -376,6 +581,13 @@ def verdict(comparison: Comparison, acceptance: Acceptance, *, min_mean_acceptan
     reasons.append(f"acceptance counters: {acceptance.accepted_tokens} of "
                    f"{acceptance.draft_tokens} drafted tokens accepted over {acceptance.drafts} "
                    f"drafts, per position {acceptance.accepted_per_position}")
+    if counters is not None:
+        reasons.append(counters.describe())
+        if not counters.passed:
+            ok_acc = False
+            reasons.append("acceptance counters overstate: vLLM counts more accepted draft tokens "
+                           "than the outputs hold, so its bookkeeping of accepted and rejected "
+                           "drafts is wrong (and the acceptance figures above cannot be trusted)")
     if not ok_acc:
         reasons.append(
             "acceptance is too low: the speculative outputs may still match (greedy speculative "
@@ -416,20 +628,25 @@ class Figures:
     rates: list[float]
     rate_se: list[float]
     hard: int
+    divergences: int = 0  # outputs that left the reference
+    prompts: int = 0  # outputs compared
 
     @classmethod
-    def of_run(cls, acceptance: dict[str, Any], hard: int) -> Figures:
+    def of_run(cls, acceptance: dict[str, Any], comparison: dict[str, Any]) -> Figures:
         acc = Acceptance.from_dict(acceptance)
+        total = int(comparison["total"])
         return cls(acc.mean_acceptance_length, acc.standard_error, acc.per_position_rate,
-                   acc.per_position_standard_error, hard)
+                   acc.per_position_standard_error, int(comparison["hard"]),
+                   total - int(comparison["matches"]), total)
 
     @classmethod
     def of_golden(cls, golden: dict[str, Any]) -> Figures:
         """A golden's means and standard errors (its runs had no hard divergence: make refuses)."""
         acc = golden["acceptance"]
         pos = acc["per_position_rate"]
+        d, n = golden_divergences(golden)
         return cls(acc["mean_acceptance_length"]["mean"], acc["mean_acceptance_length"]["standard_error"],
-                   [p["mean"] for p in pos], [p["standard_error"] for p in pos], 0)
+                   [p["mean"] for p in pos], [p["standard_error"] for p in pos], 0, d, n)
 
 
 @dataclass
@@ -445,8 +662,11 @@ def compare_change(baseline: Figures, candidate: Figures, *, sigmas: float) -> C
 
     A difference counts only beyond ``sigmas`` standard errors of the difference of two
     independent estimates (sqrt(se_b^2 + se_c^2)), overall and per draft position. REGRESSION:
-    any figure below the baseline beyond that, or hard divergences the baseline did not have;
-    IMPROVED: the mean above it beyond that and nothing below; else OK.
+    any figure below the baseline beyond that, hard divergences the baseline did not have, or more
+    divergent outputs than the baseline had (at its rate: the same machine, prompts and reference
+    outputs, so a sound change leaves the target's greedy decode no more often; a lossy one raises
+    acceptance while it does, which must never read IMPROVED); IMPROVED: the mean above it beyond
+    that and nothing below; else OK.
     """
     rows = [{"what": "mean acceptance length", "baseline": baseline.mean,
              "candidate": candidate.mean, "tolerance": sigmas * math.hypot(baseline.se, candidate.se)}]
@@ -465,6 +685,16 @@ def compare_change(baseline: Figures, candidate: Figures, *, sigmas: float) -> C
     new_hard = max(candidate.hard - baseline.hard, 0)
     if new_hard:
         reasons.append(f"{new_hard} hard divergence(s) the baseline does not have")
+    expected = (baseline.divergences * candidate.prompts / baseline.prompts
+                if baseline.prompts else 0.0)
+    rows.append({"what": "divergent outputs", "baseline": expected,
+                 "candidate": float(candidate.divergences), "tolerance": 0.0,
+                 "delta": candidate.divergences - expected,
+                 "beyond": "above" if candidate.divergences > expected else ""})
+    if candidate.divergences > expected:
+        reasons.append(f"{candidate.divergences} of {candidate.prompts} outputs leave the reference, "
+                       f"the baseline's {baseline.divergences} of {baseline.prompts}: the change "
+                       "makes the speculative output leave the target's greedy decode more often")
     if reasons:
         return ChangeVerdict("REGRESSION", rows, new_hard, reasons)
     if rows[0]["beyond"] == "above":

@@ -35,7 +35,7 @@ class Profile:
     dtype: str
     enforce_eager: bool
     device: str
-    near_tie_delta: float
+    near_tie_cap: float
     top_logprobs: int
     min_mean_acceptance_length: float
 
@@ -84,6 +84,12 @@ def fetch_patterns() -> tuple[list[str], list[str]]:
 def calibration_sigmas() -> float:
     """How many combined standard deviations below a golden's mean a run may fall."""
     return float(_data()["calibration"]["sigmas"])
+
+
+def near_tie_rule() -> dict[str, float]:
+    """``[near_tie]``: the margins of the measured near-tie bound and the count test's levels
+    (``metrics.NearTieRule``'s fields)."""
+    return {k: float(v) for k, v in _data()["near_tie"].items()}
 
 
 def comparison_sigmas() -> float:

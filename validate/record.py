@@ -8,9 +8,10 @@ and why; ``junit.xml`` and ``summary.md`` are written whenever the run ends, how
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-import tempfile
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from typing import Any
 from xml.etree import ElementTree as ET
 
 from validate import contract
+from validate.files import atomic_write, state_dir
 
 RECORD = "record.json"
 JUNIT = "junit.xml"
@@ -32,29 +34,33 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write via a temp file + rename so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        # mkstemp makes the file private; run folders and goldens are meant to be read by others
-        # (a container's user, a CI artifact uploader).
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+RESERVE = ".space-reserve"
+RESERVE_BYTES = 512 << 10  # what a record without its bulky fields and its three reports need
+BULKY = ("reference_outputs", "outputs", "raw_counters")  # dropped when the disk is full
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFull(contract.KitError):
+    """No space left under the run folder: the run broke (exit 4), where it was is said."""
+
+    kind = contract.ErrorKind.BROKEN
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 class RunRecord:
-    """One run's folder. Create it first, fill it as the run goes, finish it once."""
+    """One run's folder. Create it first, fill it as the run goes, finish it once.
+
+    A full disk must not cost the record: the folder keeps a reserve file from its creation, and a
+    write that finds no space releases it, drops the record's bulky fields (outputs, reference
+    outputs; the divergences and counters stay) and ends the run ``broken`` naming the phase."""
 
     def __init__(self, run_dir: Path, data: dict[str, Any]) -> None:
         self.dir = Path(run_dir)
         self.data = data
+        self._lean = False  # True once the disk was found full: bulky fields stay out
 
     @classmethod
     def create(cls, run_dir: Path, *, profile: dict[str, Any], name: str,
@@ -76,6 +82,9 @@ class RunRecord:
         }
         rec = cls(run_dir, data)
         rec.save()
+        with contextlib.suppress(OSError):  # no room even for the reserve: the saves say so
+            with open(rec.dir / RESERVE, "wb") as f:
+                f.write(b"\0" * RESERVE_BYTES)
         return rec
 
     @classmethod
@@ -90,7 +99,48 @@ class RunRecord:
         return cls(run_dir, contract.check_record(data, path))
 
     def save(self) -> None:
-        atomic_write(self.dir / RECORD, json.dumps(self.data, indent=2, default=str) + "\n")
+        if self._lean:
+            self._drop_bulk()
+        try:
+            atomic_write(self.dir / RECORD, json.dumps(self.data, indent=2, default=str) + "\n")
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            self._out_of_space(exc)
+
+    def _drop_bulk(self) -> None:
+        for key in BULKY:
+            if self.data.get(key) is not None:
+                self.data[key] = f"dropped: no space left on device in {self.dir}"
+
+    def _where(self) -> str:
+        """The phase running now, else the one after which the run stands."""
+        phases = self.data["phases"]
+        running = [n for n, p in phases.items() if p.get("status") == "running"]
+        return running[-1] if running else f"after {list(phases)[-1]}" if phases else "start"
+
+    def _out_of_space(self, exc: OSError) -> None:
+        """The disk is full: free the reserve, write the record lean and ended ``broken`` (the
+        first time), and raise DiskFull so the run stops here. Later saves that still find no
+        space leave the lean record as it is on disk."""
+        if self._lean:
+            print(f"record: no space left to update {self.dir / RECORD}; it says how the run "
+                  "ended", file=sys.stderr)
+            return
+        self._lean = True
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir / RESERVE)
+        where = self._where()
+        message = (f"no space left on device under {self.dir} during {where} ({exc.strerror}); "
+                   "free space there (or pass --run-dir on another disk) and run again; the "
+                   "record's outputs were dropped to fit")
+        if self.data.get("status") == "running" or self.data.get("status") is None:
+            self.data["status"] = "error"
+            self.data["error"] = {"kind": str(contract.ErrorKind.BROKEN), "type": "DiskFull",
+                                  "message": message, "where": where, "traceback": ""}
+        self._drop_bulk()
+        self.save()
+        raise DiskFull(message, where) from exc
 
     def update(self, **fields: Any) -> None:
         self.data.update(fields)
@@ -124,7 +174,8 @@ class RunRecord:
     def fail(self, exc: BaseException, *, where: str = "") -> None:
         """End the run on an error (not a verdict): its kind (the contract's), what failed, where,
         and the traceback."""
-        self.end(contract.error_kind(exc), f"{exc}", where=where, type_=type(exc).__name__,
+        self.end(contract.error_kind(exc), f"{exc}", where=getattr(exc, "where", None) or where,
+                 type_=type(exc).__name__,
                  trace="".join(traceback.format_exception(exc))[-8000:])
 
     def end(self, kind: contract.ErrorKind, message: str, *, where: str = "",
@@ -143,12 +194,19 @@ class RunRecord:
         self.data["finished_at"] = _now()
         self.save()
         self.write_reports()
+        with contextlib.suppress(OSError):  # the run has ended: its reserve is no longer needed
+            os.unlink(self.dir / RESERVE)
 
     def write_reports(self) -> None:
-        """junit.xml, summary.md and REPRODUCE.md from the record as it stands."""
-        atomic_write(self.dir / JUNIT, junit_xml(self.data))
-        atomic_write(self.dir / SUMMARY, summary_md(self.data))
-        atomic_write(self.dir / REPRODUCE, reproduce_md(self.data))
+        """junit.xml, summary.md and REPRODUCE.md from the record as it stands (a full disk
+        leaves them out, never the record: it is written first)."""
+        for name, text in ((JUNIT, junit_xml), (SUMMARY, summary_md), (REPRODUCE, reproduce_md)):
+            try:
+                atomic_write(self.dir / name, text(self.data))
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise
+                print(f"record: no space left for {self.dir / name}", file=sys.stderr)
 
 
 def junit_xml(data: dict[str, Any]) -> str:
@@ -266,3 +324,65 @@ def reproduce_md(data: dict[str, Any]) -> str:
         lines.append("The tiny pair is regenerated bit for bit from its fingerprint "
                      "(validate/data/tiny_pair.toml and the generator at that commit).")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# runs in flight: a kit killed with SIGKILL (or a machine that went down) cannot end its record,
+# so each host process that runs one leaves an entry here; the next run ends the record of any
+# entry whose process is gone and says so in its own record.
+
+LEDGER = "runs-in-flight"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (/proc/PID/stat field 22): a reused pid is another process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def enter_ledger(run_dir: Path) -> Path:
+    """This process runs ``run_dir``: an entry the next run reads if this one is cut off."""
+    entry = state_dir() / LEDGER / f"{os.getpid()}.json"
+    atomic_write(entry, json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid()),
+                                    "run_dir": str(Path(run_dir).absolute()), "started_at": _now()}))
+    return entry
+
+
+def leave_ledger(entry: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(entry)
+
+
+def cut_off_runs() -> list[dict[str, Any]]:
+    """Runs whose kit process is gone without ending them: each record still ``running`` is ended
+    ``broken`` here (where it stopped, and why it could not say so itself); returns what was found."""
+    found = []
+    for entry in sorted((state_dir() / LEDGER).glob("*.json")):
+        try:
+            e = json.loads(entry.read_text())
+            pid, run_dir = int(e["pid"]), Path(e["run_dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            leave_ledger(entry)
+            continue
+        if e.get("start") is not None and _start_time(pid) == e.get("start"):
+            continue  # that kit is still running its run
+        note = {"run_dir": str(run_dir), "pid": pid, "started_at": e.get("started_at")}
+        try:
+            rec = RunRecord.load(run_dir)
+            status = rec.data["status"]
+            if status == "running":
+                where = rec._where()
+                rec.end(contract.ErrorKind.BROKEN,
+                        f"cut off: the kit's process {pid} ended without finishing this run "
+                        f"during {where} (killed with SIGKILL, out of memory, or the machine went "
+                        "down); found by the next run", where=where)
+                note.update(status="running", ended_as="broken", where=where)
+            else:
+                note.update(status=status, where=(rec.data.get("error") or {}).get("where", ""))
+        except contract.BadRecord as exc:
+            note.update(status="unreadable", detail=str(exc)[:200])
+        found.append(note)
+        leave_ledger(entry)
+    return found

@@ -23,15 +23,17 @@ from typing import Any
 
 from validate import compare
 from validate.contract import BadInput, Exit
-from validate.record import atomic_write
+from validate.files import atomic_write
 
 
 @dataclass(frozen=True)
 class Breakage:
     name: str
+    kind: str  # the class of fault (breakages.toml's ``class``): head, sharing, drafting, lossy, ...
     place: str
     what: str
     expect: str = "fail"  # "fail": FAIL or ERROR; "pass": a control that must PASS
+    ci: bool = False  # in the CI tier's subset
 
     @property
     def patch(self) -> Path:
@@ -40,7 +42,19 @@ class Breakage:
 
 def catalogue() -> list[Breakage]:
     data = tomllib.loads(resources.files("validate.data").joinpath("breakages.toml").read_text())
-    return [Breakage(**b) for b in data["breakage"]]
+    return [Breakage(kind=b.pop("class"), **b) for b in data["breakage"]]
+
+
+def chosen(only: list[str] | None, tier: str = "full") -> list[Breakage]:
+    """The breakages a suite runs: ``--only`` names (each must exist), else the tier's."""
+    every = catalogue()
+    if only:
+        unknown = set(only) - {b.name for b in every}
+        if unknown:
+            raise BadInput(f"no breakage named {', '.join(sorted(unknown))} in "
+                           "validate/data/breakages.toml")
+        return [b for b in every if b.name in only]
+    return [b for b in every if b.ci] if tier == "ci" else every
 
 
 @dataclass
@@ -54,14 +68,22 @@ class Outcome:
     seconds: float
     detail: str
     expect: str = "pass"  # the release and controls must PASS, breakages FAIL or ERROR
+    kind: str = ""  # the breakage's class of fault
+    divergences: int | None = None  # outputs that left the reference
+    caught_by: str = ""  # which part of the verdict failed it: divergences, hard, acceptance
 
     @property
     def ok(self) -> bool:
         return self.verdict == "PASS" if self.expect == "pass" else self.verdict in ("FAIL", "ERROR")
 
 
+# The verdict's reasons that say why a run failed, by the part of the verdict that failed it.
+CAUGHT_BY = (("too many divergences", "divergences"), ("hard divergence", "hard"),
+             ("acceptance is too low", "acceptance"), ("acceptance counters overstate", "counters"))
+
+
 def _outcome(name: str, place: str, code: int, rec: dict | None, seconds: float,
-             expect: str = "pass") -> Outcome:
+             expect: str = "pass", kind: str = "") -> Outcome:
     # ERROR: the run broke (an engine crashed on the breakage: caught). Anything else (a patch
     # that does not apply, a wrong environment, an interrupt) is NOT RUN: the suite's own fault.
     verdict = {Exit.PASS: "PASS", Exit.FAIL: "FAIL", Exit.BROKEN: "ERROR"}.get(code, "NOT RUN")
@@ -70,21 +92,22 @@ def _outcome(name: str, place: str, code: int, rec: dict | None, seconds: float,
     if verdict in ("ERROR", "NOT RUN"):
         err = (rec or {}).get("error") or {}
         detail = f"exit {code}: {err.get('kind', 'no record')}: {str(err.get('message', ''))[:160]}"
-    else:
-        detail = "; ".join(((rec or {}).get("verdict") or {}).get("reasons", [])[1:2])[:200]
+    caught = ""
+    if verdict not in ("ERROR", "NOT RUN"):
+        reasons = ((rec or {}).get("verdict") or {}).get("reasons", [])
+        caught = ", ".join(part for start, part in CAUGHT_BY
+                           if any(r.startswith(start) for r in reasons))
+        why = [r for r in reasons if r.startswith(("divergence count", "hard divergence",
+                                                   "acceptance: mean"))]
+        detail = "; ".join(why)[:300]
+    divergences = cmp["total"] - cmp["matches"] if cmp else None
     return Outcome(name, place, code, verdict, acc.get("mean_acceptance_length"), cmp.get("hard"),
-                   round(seconds, 1), detail, expect)
+                   round(seconds, 1), detail, expect, kind, divergences, caught)
 
 
 def run(args: argparse.Namespace, log: Any = print) -> tuple[list[Outcome], Exit]:
     """The suite; returns each run's outcome (the release first) and the suite's exit code."""
-    chosen = catalogue()
-    if args.only:
-        unknown = set(args.only) - {b.name for b in chosen}
-        if unknown:
-            raise BadInput(f"no breakage named {', '.join(sorted(unknown))} in "
-                           "validate/data/breakages.toml")
-        chosen = [b for b in chosen if b.name in args.only]
+    breakages = chosen(args.only, getattr(args, "tier", "full"))
     profile, sized = compare.sized_profile(args)
     base = compare.suite_folder(args, "sensitivity", profile.tensor_parallel_size)
     started = time.monotonic()
@@ -93,11 +116,11 @@ def run(args: argparse.Namespace, log: Any = print) -> tuple[list[Outcome], Exit
     if golden_path is None:
         log("the unpatched release does not PASS here: the suite would prove nothing")
         return outcomes, Exit.BROKEN
-    for i, b in enumerate(chosen, 1):
-        log(f"[{i}/{len(chosen)}] {b.name} ({b.place}): {b.what}")
+    for i, b in enumerate(breakages, 1):
+        log(f"[{i}/{len(breakages)}] {b.name} ({b.kind}, {b.place}): {b.what}")
         code, rec, seconds = compare.candidate(base, b.name, sized, ["--vllm-patch", str(b.patch)],
                                                golden_path, log)
-        outcomes.append(_outcome(b.name, b.place, code, rec, seconds, b.expect))
+        outcomes.append(_outcome(b.name, b.place, code, rec, seconds, b.expect, b.kind))
     total = time.monotonic() - started
     missed = [o.name for o in outcomes if not o.ok]
     report = {"profile": profile.to_dict(), "seconds": round(total, 1), "missed": missed,
@@ -113,13 +136,15 @@ def markdown(outcomes: list[Outcome], seconds: float, golden: Path) -> str:
              f"Golden: the unpatched release of this run ({golden.name}), mean acceptance length "
              f"{release.mean_acceptance:.3f}. {len(outcomes) - 1} changes, "
              f"{sum(o.ok for o in outcomes[1:])} as expected, {seconds:.0f} s in all.", "",
-             "| change | place | expected | mean acceptance | hard divergences | verdict | seconds |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| change | class | place | expected | mean acceptance | divergent outputs | hard | "
+             "verdict | caught by | seconds |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for o in outcomes:
         acc = f"{o.mean_acceptance:.3f}" if o.mean_acceptance is not None else "-"
         hard = "-" if o.hard is None else str(o.hard)
+        div = "-" if o.divergences is None else str(o.divergences)
         word = o.verdict + (" (engine crashed)" if o.verdict == "ERROR" else "")
         expected = "PASS" if o.expect == "pass" else "FAIL or ERROR"
-        lines.append(f"| {o.name} | {o.place} | {expected} | {acc} | {hard} | {word} | "
-                     f"{o.seconds:.0f} |")
+        lines.append(f"| {o.name} | {o.kind or '-'} | {o.place or '-'} | {expected} | {acc} | "
+                     f"{div} | {hard} | {word} | {o.caught_by or '-'} | {o.seconds:.0f} |")
     return "\n".join(lines) + "\n"

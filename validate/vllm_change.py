@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from validate.contract import BadInput, EnvironmentProblem
+from validate.files import state_dir
 
 OVERLAY_MARKER = ".kit-overlay.json"
 # What is compiled into a vLLM build: its kernel sources and build files (at the repository's top),
@@ -106,16 +107,10 @@ def installed(python: str) -> tuple[Path, str]:
     return Path(folder), version
 
 
-def state_root() -> Path:
-    from validate.hub import state_dir
-
-    return state_dir()
-
-
 def release(python: str) -> VllmUnderTest:
     _, version = installed(python)
     key = f"release-{version}"
-    return VllmUnderTest("release", version, key, cache_root=str(state_root() / "vllm-cache" / key))
+    return VllmUnderTest("release", version, key, cache_root=str(state_dir() / "vllm-cache" / key))
 
 
 def patched_files(text: str) -> list[str]:
@@ -265,12 +260,12 @@ def from_patch(patch: Path, python: str) -> VllmUnderTest:
     package, version = installed(python)
     sha = hashlib.sha256(data).hexdigest()
     key = f"patch-{sha[:16]}"
-    overlay = state_root() / "vllm-overlays" / f"{version}-{key}"
+    overlay = state_dir() / "vllm-overlays" / f"{version}-{key}"
     if not (overlay / OVERLAY_MARKER).is_file():
         _mirror(package, overlay, lambda tree: _apply_patch(tree, Path(patch), version),
                 {"patch_sha256": sha, "base_version": version, "files": files})
     return VllmUnderTest("patch", version, key, patch_sha256=sha, files_changed=files,
-                         overlay=str(overlay), cache_root=str(state_root() / "vllm-cache" / key))
+                         overlay=str(overlay), cache_root=str(state_dir() / "vllm-cache" / key))
 
 
 def cache_env(change: VllmUnderTest) -> dict[str, str]:
@@ -321,7 +316,7 @@ def from_source(checkout: Path, python: str) -> VllmUnderTest:
     checkout = check_source(checkout)
     package, version = installed(python)
     changed, deleted, key = _source_diff(checkout, version)
-    overlay = state_root() / "vllm-overlays" / f"{version}-{key}"
+    overlay = state_dir() / "vllm-overlays" / f"{version}-{key}"
     if not (overlay / OVERLAY_MARKER).is_file():
         def apply(tree: Path) -> None:
             _copy_files(checkout, changed, tree)
@@ -330,7 +325,7 @@ def from_source(checkout: Path, python: str) -> VllmUnderTest:
 
         _mirror(package, overlay, apply, {"source": str(checkout), "files": changed + deleted})
     return VllmUnderTest("source", version, key, files_changed=changed + deleted,
-                         overlay=str(overlay), cache_root=str(state_root() / "vllm-cache" / key),
+                         overlay=str(overlay), cache_root=str(state_dir() / "vllm-cache" / key),
                          **_source_identity(checkout))
 
 
@@ -382,12 +377,12 @@ def from_wheel(wheel: Path, python: str) -> VllmUnderTest:
                                  "installs the CPU build")
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     key = f"wheel-{sha[:16]}"
-    overlay = state_root() / "vllm-overlays" / key
+    overlay = state_dir() / "vllm-overlays" / key
     if not (overlay / OVERLAY_MARKER).is_file():
         _made_whole(overlay, lambda tmp: _extract_wheel(wheel, tmp),
                     {"wheel": wheel.name, "sha256": sha})
     return VllmUnderTest("wheel", base_version, key, files_changed=[f"{name} {version}"],
-                         overlay=str(overlay), cache_root=str(state_root() / "vllm-cache" / key),
+                         overlay=str(overlay), cache_root=str(state_dir() / "vllm-cache" / key),
                          wheel=wheel.name, wheel_sha256=sha)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from validate.contract import BadInput
-from validate.record import atomic_write
+from validate.files import atomic_write
 
 SCHEMA = 1
 COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -131,6 +131,11 @@ def load(path: Path, *, strict: bool = True) -> tuple[dict[str, RepoLock], list[
                       "--lock-file, or leave it out for the kit's own") from exc
     try:
         data = json.loads(text)
+    except RecursionError:  # valid JSON nested deeper than Python's parser goes: no lock file
+        if strict:
+            raise BadLock(f"{path} is nested too deeply to be a lock file; regenerate it: `nox -s "
+                          "lock -- --profile <profile> --lock-file <this file>`") from None
+        return {}, [f"{path} is nested too deeply to be a lock file"]
     except ValueError as exc:
         if strict:
             raise BadLock(f"{path} is not JSON ({exc}); regenerate it: `nox -s lock -- --profile "
@@ -148,4 +153,14 @@ def save(path: Path, locks: dict[str, RepoLock]) -> None:
     for repo, lock in locks.items():  # never write what load would refuse
         _entry(repo, asdict(lock), f"repos[{repo!r}]")
     data = {"schema": SCHEMA, "repos": {r: asdict(lock) for r, lock in sorted(locks.items())}}
-    atomic_write(Path(path), json.dumps(data, indent=2) + "\n")
+    try:
+        atomic_write(Path(path), json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        raise BadLock(f"lock file {path} cannot be written ({exc.strerror or exc}); pass a "
+                      "--lock-file in a folder you can write") from exc
+
+
+def entry(repo: str, data: object, where: str) -> RepoLock:
+    """One repository's pin as the kit stored it for itself (``hub``'s record of what an online
+    fetch resolved), checked as a lock file's entry is: its revision becomes a path."""
+    return _entry(repo, data, where)

@@ -17,6 +17,7 @@ from importlib import metadata
 from typing import Any
 
 from validate import contract
+from validate import device_class as classes
 from validate.metrics import Output
 from validate.profiles import Profile
 
@@ -123,30 +124,15 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-# CPU instruction sets that change bf16 results (oneDNN picks its kernels by them), best first.
-CPU_CLASSES = (("amx_bf16", "cpu-amx"), ("avx512_bf16", "cpu-avx512bf16"), ("avx512f", "cpu-avx512"),
-               ("avx2", "cpu-avx2"))
-
-
 def device_class(device: str) -> str:
-    """The hardware class a golden is keyed by: the GPU model (``h200``), or for CPUs the best
-    instruction set the bf16 kernels use (AMX, AVX-512 with bf16, AVX-512, AVX2): runs on
-    another class give other near-ties and are never judged by this class's golden."""
+    """The hardware class a golden is keyed by (``validate.device_class``): the GPU model, or for
+    CPUs the best instruction set the bf16 kernels use."""
     if device == "cuda":
         import torch
 
-        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-        return "".join(c for c in name.lower().split()[-1] if c.isalnum()) or "gpu"
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    return next((cls for flag, cls in CPU_CLASSES if flag in flags), f"cpu-{platform.machine()}")
+        return classes.of_gpu_name(torch.cuda.get_device_name(0)) if torch.cuda.is_available() \
+            else "none"
+    return classes.cpu()
 
 
 def _cpu_model() -> str:
@@ -164,8 +150,6 @@ def _cpu_model() -> str:
 class EngineRun:
     outputs: list[Output]
     counters: dict[str, Any] = field(default_factory=dict)
-    start_s: float = 0.0
-    generate_s: float = 0.0
 
 
 def log(msg: str) -> None:
@@ -280,4 +264,4 @@ def run_engine(profile: Profile, model: str, prompts: list[Any],
         log(f"{label} engine: generated in {gen_s:.1f}s")
     finally:
         shutdown(llm)
-    return EngineRun(outputs=outputs, counters=counters, start_s=start_s, generate_s=gen_s)
+    return EngineRun(outputs=outputs, counters=counters)

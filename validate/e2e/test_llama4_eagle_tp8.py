@@ -3,7 +3,8 @@
 Compares greedy chat outputs of a reference engine (or a calibrated golden's reference outputs)
 with those of a speculative engine (method ``eagle``, a Llama-4 EAGLE head), token by token, and
 reads vLLM's acceptance counters. One verdict: PASS only if every divergence from the reference is
-a near-tie (the two tokens within the profile's delta under the reference's logprobs) AND the
+a near-tie (the two tokens within the near-tie bound measured for this run, under the reference's
+logprobs), no more outputs diverge than the golden's runs allow, AND the
 head's drafts are accepted as often as the calibrated golden says (overall and per position), or
 above the profile's floor where no golden applies (``uncalibrated``). An exact-match check alone
 passes a head that predicts nothing and fails a sound vLLM on bf16 near-ties. Every run writes a
@@ -182,16 +183,23 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
             rec.phase, "speculative")
         engines.log(f"engines done in {time.monotonic() - t0:.1f}s")
 
-        cmp = metrics.compare(ref_outputs, spec.outputs, delta=profile.near_tie_delta)
+        cmp = metrics.judge_outputs(ref_outputs, spec.outputs,
+                                    rule=metrics.NearTieRule(**profiles.near_tie_rule()),
+                                    cap=profile.near_tie_cap, golden=golden,
+                                    golden_name=why.split(":")[0].removeprefix("golden "))
         acc = metrics.acceptance_from_counters(spec.counters, profile.num_speculative_tokens)
+        counted = metrics.CounterCheck(len(spec.outputs), sum(len(o.token_ids) for o in spec.outputs),
+                                       acc.drafts, acc.accepted_tokens, profile.num_speculative_tokens)
         verdict = metrics.verdict(
             cmp, acc, min_mean_acceptance_length=profile.min_mean_acceptance_length,
             golden=metrics.expectation(why, golden["acceptance"]) if golden else None,
             uncalibrated_because=why,
-            tp_reference=metrics.expectation(why1, tp1["acceptance"]) if tp1 else None)
+            tp_reference=metrics.expectation(why1, tp1["acceptance"]) if tp1 else None,
+            counters=counted)
         rec.update(
             comparison=cmp.to_dict(),
             acceptance=acc.to_dict(),
+            counter_check=counted.to_dict(),
             raw_counters=spec.counters,
             outputs=[{"prompt": p, "reference": r.text, "speculative": s.text}
                      for p, r, s in zip(texts, ref_outputs, spec.outputs, strict=True)],

@@ -1,0 +1,35 @@
+"""The kit's small file helpers, in one room that depends on nothing: writes that are never seen
+half-done, and the folder where the kit keeps its own state (the tiny pair, verification records,
+overlays of a vLLM under test, the ledger of runs in flight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write via a temp file + rename so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        # mkstemp makes the file private; run folders and goldens are meant to be read by others
+        # (a container's user, a CI artifact uploader).
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def state_dir() -> Path:
+    """``VALIDATE_CACHE``, else ``$XDG_CACHE_HOME/llama4-eagle-validate`` (``~/.cache``)."""
+    base = os.environ.get("VALIDATE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llama4-eagle-validate")
+    return Path(base)
