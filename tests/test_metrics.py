@@ -303,3 +303,4 @@ def test_counters_that_overstate_acceptance_fail() -> None:
                         counters=bad)
     assert not bad.passed and not v.passed, v.reasons
     assert any(r.startswith("acceptance counters overstate") for r in v.reasons), v.reasons
+    assert not any("acceptance is too low" in r for r in v.reasons), "overstated, not too low"

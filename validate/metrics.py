@@ -536,8 +536,10 @@ def verdict(comparison: Comparison, acceptance: Acceptance, *, min_mean_acceptan
             golden: Expectation | None = None, uncalibrated_because: str = "",
             tp_reference: Expectation | None = None,
             counters: CounterCheck | None = None) -> Verdict:
-    """PASS needs: no hard divergence AND acceptance at or above the golden (overall and per
-    position), or above the profile's floor when no golden applies (then ``uncalibrated``). At
+    """PASS needs: no hard divergence, no more divergent outputs than the count test allows,
+    vLLM's counters consistent with the outputs (``counters``), AND acceptance at or above the
+    golden (overall and per position), or above the profile's floor when no golden applies (then
+    ``uncalibrated``). At
     TP > 1 where a TP=1 golden applies, acceptance against it is reported (TP invariance), not
     gated: on CPU a sound vLLM measured 3% lower at TP=8 than at TP=1.
 
@@ -581,10 +583,10 @@ def verdict(comparison: Comparison, acceptance: Acceptance, *, min_mean_acceptan
     reasons.append(f"acceptance counters: {acceptance.accepted_tokens} of "
                    f"{acceptance.draft_tokens} drafted tokens accepted over {acceptance.drafts} "
                    f"drafts, per position {acceptance.accepted_per_position}")
+    ok_counters = counters is None or counters.passed
     if counters is not None:
         reasons.append(counters.describe())
         if not counters.passed:
-            ok_acc = False
             reasons.append("acceptance counters overstate: vLLM counts more accepted draft tokens "
                            "than the outputs hold, so its bookkeeping of accepted and rejected "
                            "drafts is wrong (and the acceptance figures above cannot be trusted)")
@@ -612,7 +614,8 @@ def verdict(comparison: Comparison, acceptance: Acceptance, *, min_mean_acceptan
                            "TP=1 golden beyond both tolerances: the same model drafts worse when "
                            "sharded, which a tensor-parallel sharding bug would do (not gated yet: "
                            "on CPU, TP=8 measured 3% below TP=1 with a sound vLLM, docs/verdict.md)")
-    return Verdict(passed=ok_out and ok_acc, reasons=reasons, calibrated=golden is not None)
+    return Verdict(passed=ok_out and ok_acc and ok_counters, reasons=reasons,
+                   calibrated=golden is not None)
 
 
 # ---------------------------------------------------------------------------------------------
