@@ -4,6 +4,7 @@ tests start themselves (Debian's dockerd, overlay2 or vfs, its own socket) and a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,32 +30,57 @@ WHEELHOUSE = Path("/opt/wheels")  # this machine's CPU torch wheel (not on PyPI)
 
 
 @pytest.fixture(scope="session")
-def docker_host(tmp_path_factory: pytest.TempPathFactory) -> str:
+def docker_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A reachable engine: DOCKER_HOST's, else a private dockerd started for the tests."""
     host = os.environ.get("DOCKER_HOST")
     if host:
         try:
             containers.Engine(host)
-            return host
         except containers.ContainerError:
             pass
+        else:
+            yield host  # one that answers (CI's own): not this fixture's to stop
+            return
     root = Path(os.environ.get("KIT_DOCKER_DIR") or tmp_path_factory.mktemp("docker"))
     r = subprocess.run([str(ROOT / "containers" / "start-dockerd.sh"), str(root)],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0, f"could not start a Docker engine (needs root): {r.stderr}"
     host = r.stdout.strip().splitlines()[-1]
     os.environ["DOCKER_HOST"] = host
-    return host
+    yield host
+    del os.environ["DOCKER_HOST"]
+    if not os.environ.get("KIT_DOCKER_DIR"):  # a folder of the user's: their engine, kept
+        _stop(root / "docker.pid")  # what the tests started, they stop
+
+
+def _stop(pidfile: Path, timeout_s: float = 30) -> None:
+    """SIGTERM the process a start script recorded, and wait for it to be gone."""
+    try:
+        pid = int(pidfile.read_text().strip())
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> str:
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A container registry on loopback (Debian's docker-registry), started for the tests."""
     root = Path(os.environ.get("KIT_REGISTRY_DIR") or tmp_path_factory.mktemp("registry"))
     r = subprocess.run([str(ROOT / "containers" / "start-registry.sh"), str(root)],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0, f"could not start a registry: {r.stderr}"
-    return r.stdout.strip().splitlines()[-1]
+    yield r.stdout.strip().splitlines()[-1]
+    if not os.environ.get("KIT_REGISTRY_DIR"):
+        _stop(root / "registry.pid")
 
 
 def _push(docker_host: str, local: str, remote: str) -> str:
@@ -278,6 +305,7 @@ def test_a_change_runs_in_the_container_as_a_layer_and_is_judged(docker_host: st
     assert "container" not in rec and not rec["phases"], "refused before any engine"
 
 
+@pytest.mark.e2e  # needs a Docker engine and images: minutes
 def test_cache_and_local_dir_models_are_readable_in_a_container(docker_host: str, base_image: str,
                                                                  models, tmp_path: Path) -> None:
     """Models fetched from a hub (loopback) into the Hugging Face cache (snapshot files are links
@@ -313,6 +341,7 @@ def test_cache_and_local_dir_models_are_readable_in_a_container(docker_host: str
             assert got == want, (where or "cache", lines)
 
 
+@pytest.mark.e2e  # needs a Docker engine and images: minutes
 def test_the_container_runs_as_a_guest(docker_host: str, base_image: str, tmp_path: Path) -> None:
     """Files it writes belong to the user it runs as; models are read-only; without GPUs it has
     a private IPC namespace with the shared memory vLLM's CPU workers need."""
@@ -336,6 +365,7 @@ def test_the_container_runs_as_a_guest(docker_host: str, base_image: str, tmp_pa
     assert containers.invoking_user() == f"{os.getuid()}:{os.getgid()}"
 
 
+@pytest.mark.e2e  # needs a Docker engine and images: minutes
 def test_refresh_pins_writes_registry_digests_and_a_moved_base_is_rebuilt(
         docker_host: str, local_base: str, registry: str, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
