@@ -196,7 +196,7 @@ def test_bad_input_2_a_golden_of_another_tp_is_refused_before_anything_runs(mode
     r = _kit("rehearse", "--tp", "1", "--golden", str(golden), "--target", str(models.target),
              "--draft", str(models.head), "--run-dir", str(run))
     assert r.returncode == Exit.BAD_INPUT, r.stderr[-2000:]
-    assert "does not apply: its tensor_parallel_size is 8, this run's is 1" in r.stderr, r.stderr
+    assert "does not apply: its tensor_parallel_size is 8, this one's is 1" in r.stderr, r.stderr
     assert not run.exists() and time.monotonic() - t < 60, "refused before any engine"
 
 
@@ -216,7 +216,7 @@ def test_bad_input_2_compare_against_a_golden_of_another_tp(tmp_path: Path) -> N
     r = _kit("compare", "--tp", "2", "--vllm-patch", str(patch), "--baseline-golden", str(golden),
              "--run-dir", str(run))
     assert r.returncode == Exit.BAD_INPUT, r.stderr[-2000:]
-    assert "does not apply: its tensor_parallel_size is 8, this comparison's is 2" in r.stderr
+    assert "does not apply: its tensor_parallel_size is 8, this one's is 2" in r.stderr
     assert not (run / "candidate").exists(), "no candidate run"
 
 

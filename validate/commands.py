@@ -69,15 +69,12 @@ def check_golden(golden: str | None, profile: profiles.Profile) -> None:
         raise BadInput(f"--golden {golden}: no such file; pass a golden from "
                        f"validate/data/goldens/, `--golden auto` (the one for this machine), or "
                        f"make one with {hint}")
-    g = goldens.load(path, regenerate=hint)
-    here = device_class.cpu() if profile.device == "cpu" else g["device_class"]
-    for key, have, want in (("profile", g["profile"], profile.name),
-                            ("tensor_parallel_size", g["tensor_parallel_size"],
-                             profile.tensor_parallel_size),
-                            ("device_class", g["device_class"], here)):
-        if have != want:
-            raise BadInput(f"--golden {golden} does not apply: its {key} is {have!r}, this run's "
-                           f"is {want!r}; use `--golden auto`, or make one with {hint}")
+    problem = goldens.mismatch(goldens.load(path, regenerate=hint), profile=profile.name,
+                               tp=profile.tensor_parallel_size,
+                               device_class=device_class.cpu() if profile.device == "cpu" else None)
+    if problem:
+        raise BadInput(f"--golden {golden} does not apply: {problem}; use `--golden auto`, or make "
+                       f"one with {hint}")
 
 
 def _generated_pair() -> Path:

@@ -109,17 +109,13 @@ def baseline_golden(path: Path, profile: profiles.Profile) -> dict[str, Any]:
     and (on CPU, where the host can tell) device class: another's figures say nothing here."""
     golden = goldens.load(path, regenerate="`nox -s compare` (its golden.json) or `nox -s calibrate`")
     tp = profile.tensor_parallel_size
-    here = device_class.cpu() if profile.device == "cpu" else None
-    for key, have, want in (("profile", golden["profile"], profile.name),
-                            ("tensor_parallel_size", golden["tensor_parallel_size"], tp),
-                            ("device_class", golden["device_class"], here or golden["device_class"]),
-                            *((f"conditions.{k}", golden["conditions"].get(k), getattr(profile, k))
-                              for k in goldens.PROFILE_KEYS)):
-        if have != want:
-            raise BadInput(f"--baseline-golden {path} does not apply: its {key} is {have!r}, this "
-                           f"comparison's is {want!r}; use a golden of profile {profile.name} at "
-                           f"TP={tp} made on this machine class (`nox -s compare` without "
-                           "--baseline-golden makes one)")
+    problem = goldens.mismatch(golden, profile=profile.name, tp=tp,
+                               device_class=device_class.cpu() if profile.device == "cpu" else None,
+                               conditions={k: getattr(profile, k) for k in goldens.PROFILE_KEYS})
+    if problem:
+        raise BadInput(f"--baseline-golden {path} does not apply: {problem}; use a golden of "
+                       f"profile {profile.name} at TP={tp} made on this machine class (`nox -s "
+                       "compare` without --baseline-golden makes one)")
     return golden
 
 

@@ -62,6 +62,21 @@ def load(path: Path, *, regenerate: str = "`nox -s calibrate -- --profile P --tp
     return data
 
 
+def mismatch(golden: dict[str, Any], *, profile: str, tp: int, device_class: str | None,
+             conditions: dict[str, Any] | None = None) -> str | None:
+    """What makes a golden another run's, said before anything runs (``--golden FILE``,
+    ``compare --baseline-golden``): "its KEY is X, this one's is Y", or None. ``device_class``
+    None: not known on this host (a GPU's), left to the engine side's ``select``."""
+    checks = [("profile", golden["profile"], profile), ("tensor_parallel_size",
+              golden["tensor_parallel_size"], tp)]
+    if device_class is not None:
+        checks.append(("device_class", golden["device_class"], device_class))
+    checks += [(f"conditions.{k}", golden["conditions"].get(k), v)
+               for k, v in (conditions or {}).items()]
+    return next((f"its {k} is {have!r}, this one's is {want!r}" for k, have, want in checks
+                 if have != want), None)
+
+
 def select(path: Path, *, profile: dict[str, Any], device_class: str, versions: dict[str, Any],
            models: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """(golden, why it applies) or (None, why it does not). Never applies one silently: every
