@@ -329,9 +329,7 @@ def finish(host: RunRecord, how: str, interrupted: bool = False) -> tuple[RunRec
                                run_id=run_id)
         rec.end(ErrorKind.BROKEN, f"{problem} ({how})", where="collect")
     elif rec.data["status"] == "running":
-        phases = rec.data["phases"]
-        running = [n for n, p in phases.items() if p.get("status") == "running"]
-        where = running[-1] if running else f"after {list(phases)[-1]}" if phases else "start"
+        where = rec.where()
         if interrupted:
             rec.end(ErrorKind.INTERRUPTED, f"interrupted during {where} ({how})", where=where)
         elif rec is host:

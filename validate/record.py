@@ -113,7 +113,7 @@ class RunRecord:
             if self.data.get(key) is not None:
                 self.data[key] = f"dropped: no space left on device in {self.dir}"
 
-    def _where(self) -> str:
+    def where(self) -> str:
         """The phase running now, else the one after which the run stands."""
         phases = self.data["phases"]
         running = [n for n, p in phases.items() if p.get("status") == "running"]
@@ -130,7 +130,7 @@ class RunRecord:
         self._lean = True
         with contextlib.suppress(OSError):
             os.unlink(self.dir / RESERVE)
-        where = self._where()
+        where = self.where()
         message = (f"no space left on device under {self.dir} during {where} ({exc.strerror}); "
                    "free space there (or pass --run-dir on another disk) and run again; the "
                    "record's outputs were dropped to fit")
@@ -373,7 +373,7 @@ def cut_off_runs() -> list[dict[str, Any]]:
             rec = RunRecord.load(run_dir)
             status = rec.data["status"]
             if status == "running":
-                where = rec._where()
+                where = rec.where()
                 rec.end(contract.ErrorKind.BROKEN,
                         f"cut off: the kit's process {pid} ended without finishing this run "
                         f"during {where} (killed with SIGKILL, out of memory, or the machine went "

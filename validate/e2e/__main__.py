@@ -73,7 +73,7 @@ def _end_record(message: str) -> None:
     with contextlib.suppress(Exception):  # best effort: the next run marks a run left running
         rec = RunRecord.load(Path(argv[argv.index("--run-dir") + 1]))
         if rec.data["status"] == "running":
-            rec.end(ErrorKind.INTERRUPTED, message, where=rec._where())
+            rec.end(ErrorKind.INTERRUPTED, message, where=rec.where())
 
 
 if __name__ == "__main__":
