@@ -42,12 +42,14 @@ def engine_python(session: nox.Session) -> str:
         return python
     session.log(f"installing vLLM's CPU build into {ENGINE_VENV} (about 3.5 GB, a few minutes)")
     stamp_file.unlink(missing_ok=True)
-    session.run(sys.executable, "-m", "venv", str(ENGINE_VENV))
+    # run_install: these also run under `nox -s tests --install-only` (.ci/run installs first,
+    # while its Docker engine and base image are made beside it)
+    session.run_install(sys.executable, "-m", "venv", str(ENGINE_VENV))
     pip = (python, "-m", "pip", "install", "-q", "--disable-pip-version-check")
-    session.run(*pip, *CPU_TORCH)
-    session.run(*pip, "-r", "requirements/cpu-engine.txt")
-    session.run(python, "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE)
-    session.run(*pip, "-e", ".[engine,test]")
+    session.run_install(*pip, *CPU_TORCH)
+    session.run_install(*pip, "-r", "requirements/cpu-engine.txt")
+    session.run_install(python, "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE)
+    session.run_install(*pip, "-e", ".[engine,test]")
     stamp_file.write_text(stamp)
     return python
 

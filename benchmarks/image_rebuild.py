@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from validate import cli, commands, containers
+from validate import build, cli, containers, request
 
 
 def main() -> int:
@@ -24,10 +24,10 @@ def main() -> int:
     engine.client.version()
     round_trip = time.monotonic() - t
     t = time.monotonic()
-    tag, _, _ = commands.image(engine, args, "cpu")
+    tag, _, _ = build.image(engine, request.of(args).image, "cpu")
     first = time.monotonic() - t
     t = time.monotonic()
-    again, _, _ = commands.image(engine, args, "cpu")
+    again, _, _ = build.image(engine, request.of(args).image, "cpu")
     second = time.monotonic() - t
     assert again == tag
     print(f"image {tag}")

@@ -5,11 +5,13 @@ import os
 import random
 import shutil
 import subprocess
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TIER, WALKTHROUGH_RUN, runnable_blocks
+from helpers import ROOT, TIER, WALKTHROUGH_RUN, image_args, push, runnable_blocks, stop
 
 FIXTURE_MODELS = Path(__file__).parent / "data" / "fixture-models"
 
@@ -70,6 +72,119 @@ def sensitivity_suite(pair, tmp_path_factory: pytest.TempPathFactory) -> tuple[i
                        cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False)
     assert (run / "sensitivity.json").is_file(), (r.stdout + r.stderr)[-4000:]
     return r.returncode, r.stdout + r.stderr, run
+
+
+@pytest.fixture(scope="session")
+def docker_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A reachable engine: DOCKER_HOST's, else a private dockerd started for the tests."""
+    from validate import containers
+
+    host = os.environ.get("DOCKER_HOST")
+    if host:
+        try:
+            containers.Engine(host)
+        except containers.ContainerError:
+            pass
+        else:
+            yield host  # one that answers (CI's own): not this fixture's to stop
+            return
+    root = Path(os.environ.get("KIT_DOCKER_DIR") or tmp_path_factory.mktemp("docker"))
+    r = subprocess.run([str(ROOT / "containers" / "start-dockerd.sh"), str(root)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, f"could not start a Docker engine (needs root): {r.stderr}"
+    host = r.stdout.strip().splitlines()[-1]
+    os.environ["DOCKER_HOST"] = host
+    yield host
+    del os.environ["DOCKER_HOST"]
+    if not os.environ.get("KIT_DOCKER_DIR"):  # a folder of the user's: their engine, kept
+        stop(root / "docker.pid")  # what the tests started, they stop
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A container registry on loopback (Debian's docker-registry), started for the tests."""
+    root = Path(os.environ.get("KIT_REGISTRY_DIR") or tmp_path_factory.mktemp("registry"))
+    r = subprocess.run([str(ROOT / "containers" / "start-registry.sh"), str(root)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, f"could not start a registry: {r.stderr}"
+    yield r.stdout.strip().splitlines()[-1]
+    if not os.environ.get("KIT_REGISTRY_DIR"):
+        stop(root / "registry.pid")
+
+
+@pytest.fixture(scope="session")
+def local_base(docker_host: str) -> str:
+    """A Debian base made here (no registry outside is reachable)."""
+    name = os.environ.get("KIT_BASE_IMAGE", "kit-base/bookworm:local")
+    r = subprocess.run([str(ROOT / "containers" / "make-local-base.sh"), name],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    return name
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_host: str, local_base: str, registry: str) -> str:
+    """The local base as a real registry serves it, by digest: builds are FROM a digest."""
+    return push(docker_host, local_base, f"{registry}/kit-base/bookworm:local")
+
+
+class _Prebuild:
+    """The CPU image, built in a thread from the start of the session (the docker engine does
+    the work: pip inside the build, layer commits), while the tests before the Docker ones run:
+    the build costs the CI tier minutes it would otherwise wait for. Same code and options as a
+    run's own build (``build.image``), so the run finds it by its input hash and builds nothing."""
+
+    def __init__(self, base: str, log: Path) -> None:
+        self.base, self.log, self.tag, self.error = base, log, "", ""
+        self.thread = threading.Thread(target=self._build, name="cpu-image-build", daemon=True)
+        self.thread.start()
+
+    def _build(self) -> None:
+        from validate import build, cli, containers, request
+
+        args = cli.build_parser().parse_args(["rehearse", "--container", *image_args(self.base)])
+        try:
+            with open(self.log, "w") as out:
+                self.tag, _, _ = build.image(containers.Engine(), request.of(args).image, "cpu",
+                                             log=lambda line: print(line, file=out, flush=True))
+        except Exception as exc:  # said by the tests that need the image
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+def _needs_image(items: list[pytest.Item]) -> bool:
+    return any("cpu_image" in getattr(item, "fixturenames", ()) for item in items)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prebuild(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> _Prebuild | None:
+    """Starts the CPU image's build at the session's start when a selected test needs it."""
+    if not _needs_image(request.session.items):
+        return None
+    base = request.getfixturevalue("base_image")
+    return _Prebuild(base, tmp_path_factory.mktemp("cpu-image") / "build.log")
+
+
+@pytest.fixture(scope="session")
+def cpu_image(_prebuild: _Prebuild | None, base_image: str) -> str:
+    """The CPU image's tag, once its build (started at the session's start) is done."""
+    assert _prebuild is not None
+    _prebuild.thread.join(timeout=3600)
+    log = _prebuild.log.read_text() if _prebuild.log.is_file() else ""
+    assert _prebuild.tag and not _prebuild.error, (
+        f"the CPU image was not built: {_prebuild.error}\n{log[-3000:]}")
+    return _prebuild.tag
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The CI tier leaves out the full tier's cases (deselected, not skipped: CI fails on a skip);
+    Docker tests run last, so the image built in the background is there when they start."""
+    if TIER != "full":
+        full = [item for item in items if item.get_closest_marker("full")]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if not item.get_closest_marker("full")]
+    items.sort(key=lambda item: "base_image" in getattr(item, "fixturenames", ()))
 
 
 # Wall time per test file, printed at the end of every run: CI's budget (30 minutes on 2 cores) is

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,3 +33,53 @@ def rehearse(run: Path, *extra: str, env: dict[str, str] | None = None) -> tuple
                        timeout=3600, check=False, env=env)
     assert (run / "record.json").is_file(), (r.stdout + r.stderr)[-4000:]
     return r.returncode, json.loads((run / "record.json").read_text()), r.stdout + r.stderr
+
+
+CA = Path("/etc/ssl/certs/ca-certificates.crt")
+WHEELHOUSE = Path("/opt/wheels")  # a machine's CPU torch wheel (not on PyPI), where it has one
+
+
+def image_args(base: str) -> list[str]:
+    """The image options the container tests build with: the registry's base by digest, this
+    machine's CA bundle and wheelhouse where it has them."""
+    args = ["--base-image", base, "--build-network", "host"]
+    if CA.is_file():
+        args += ["--ca-bundle", str(CA)]
+    if WHEELHOUSE.is_dir():
+        args += ["--wheelhouse", str(WHEELHOUSE)]
+    return args
+
+
+def docker(host: str, *args: str) -> str:
+    return subprocess.run(["docker", "-H", host, *args], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def push(docker_host: str, local: str, remote: str) -> str:
+    """Push ``local`` as ``remote`` (name:tag); returns ``name@digest`` as the registry has it."""
+    from validate import containers
+
+    docker(docker_host, "tag", local, remote)
+    docker(docker_host, "push", remote)
+    name = containers.repository(remote)
+    [ref] = [d for d in json.loads(docker(docker_host, "image", "inspect", remote))[0]["RepoDigests"]
+             if d.startswith(name + "@")]
+    return ref
+
+
+def stop(pidfile: Path, timeout_s: float = 30) -> None:
+    """SIGTERM the process a start script recorded, and wait for it to be gone."""
+    try:
+        pid = int(pidfile.read_text().strip())
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from validate import metrics
+from validate import metrics, profiles
 from validate.metrics import Output
 
 
@@ -233,6 +233,7 @@ def test_a_lossy_change_that_raises_acceptance_is_never_improved() -> None:
 
 RULE = metrics.NearTieRule(noise_margin=8.0, gap_margin=2.0, known_gap=0.039, alpha=0.001,
                            uncalibrated_share=0.2)
+DISPERSED = metrics.NearTieRule(**profiles.near_tie_rule())  # the profile's, overdispersion 3
 
 
 def _golden_data(matches: list[int], gaps: list[float], noise_max: float, n: int = 100) -> dict:
@@ -290,6 +291,17 @@ def test_the_count_test_allows_what_the_golden_saw() -> None:
     assert metrics.count_test(11, 100, RULE, None, "").passed
     assert not metrics.count_test(21, 100, RULE, None, "").passed
     assert metrics.divergence_tail(0, 100, 0, 300) == pytest.approx(1.0)
+
+
+def test_the_count_test_allows_the_spread_between_runs_that_was_measured() -> None:
+    """The AVX2 machine at TP=8: calibration runs with 9 divergent outputs each (27 of 300),
+    then sound rehearsals with 21, 11 and 11. With one shared rate 21 is the edge (allowed 21);
+    the measured overdispersion leaves room, and a kept second choice (73 of 100) still FAILs."""
+    assert metrics.count_test(21, 100, RULE, (27, 300), "g").allowed == 21
+    t = metrics.count_test(21, 100, DISPERSED, (27, 300), "g")
+    assert t.passed and t.allowed == 25 and "overdispersion 3" in t.describe(), t
+    assert not metrics.count_test(73, 100, DISPERSED, (27, 300), "g").passed
+    assert not metrics.count_test(8, 100, DISPERSED, (0, 300), "g").passed
 
 
 def test_counters_that_overstate_acceptance_fail() -> None:

@@ -44,26 +44,48 @@ def test_rehearsal_at_tp8_passes_with_the_distilled_head(pair, host_rehearsal_tp
     assert (run / "summary.md").read_text().startswith("# PASS (")
 
 
-def test_random_head_matches_but_fails_on_acceptance(pair, tmp_path: Path) -> None:
+SMALL = ["--tp", "1", "--num-prompts", "20"]
+
+
+@pytest.fixture(scope="module")
+def small_golden(pair, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`calibrate` (one run, TP=1, 20 prompts) as a user runs it: the golden the small cases below
+    are judged by with `--reference golden`, one target load each instead of two."""
+    import subprocess
+    import sys
+
+    tmp = tmp_path_factory.mktemp("small-golden")
+    golden = tmp / "golden.json"
+    r = subprocess.run([sys.executable, "-m", "validate", "calibrate", *SMALL, "--runs", "1",
+                        "--out", str(golden), "--run-dir", str(tmp / "cal")],
+                       capture_output=True, text=True, timeout=1800, check=False)
+    assert r.returncode == Exit.PASS, r.stderr[-3000:]
+    return golden
+
+
+def test_random_head_matches_but_fails_on_acceptance(small_golden: Path, tmp_path: Path) -> None:
     """The seed's exact-match check alone would pass this head; the kit's verdict must not.
 
-    TP=1: the verdict's logic does not depend on TP, and the shared TP=8 rehearsal already proves
-    the TP=8 path (three minutes less CI on 2 cores)."""
-    code, rec, _ = rehearse(tmp_path / "run", "--head", "random", "--tp", "1")
+    TP=1 against the small golden: the verdict's logic does not depend on TP, and the shared
+    TP=8 rehearsal already proves the TP=8 path."""
+    code, rec, _ = rehearse(tmp_path / "run", "--head", "random", *SMALL, "--golden",
+                            str(small_golden), "--reference", "golden")
     assert rec["comparison"]["hard"] == 0, "greedy speculative decoding stays lossless"
     assert code == Exit.FAIL, rec.get("verdict") or rec.get("error")
     assert rec["verdict"]["result"] == "FAIL"
     assert any("acceptance is too low" in r for r in rec["verdict"]["reasons"]), rec["verdict"]
 
 
-def test_noise_on_the_targets_logits_in_verification_is_a_hard_divergence(pair,
+def test_noise_on_the_targets_logits_in_verification_is_a_hard_divergence(small_golden: Path,
                                                                           tmp_path: Path) -> None:
     """A deliberate bug (tests/perturbations/sitecustomize.py): the speculative path verifies
-    drafts against the target's logits plus noise. The reference engine is untouched, so its
-    logprobs show the speculative tokens are not near-ties: hard divergences, FAIL."""
+    drafts against the target's logits plus noise. The reference (the small golden's outputs and
+    logprobs, made without the bug) shows the speculative tokens are not near-ties: hard
+    divergences, FAIL."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(PERTURBATIONS), os.environ.get("PYTHONPATH", "")]), "KIT_PERTURB_LOGIT_NOISE": "2.0"}
-    code, rec, out = rehearse(tmp_path / "run", "--tp", "1", "--num-prompts", "20", env=env)
+    code, rec, out = rehearse(tmp_path / "run", *SMALL, "--golden", str(small_golden),
+                              "--reference", "golden", env=env)
     assert code == Exit.FAIL, (rec.get("verdict") or rec.get("error"), out[-2000:])
     cmp = rec["comparison"]
     assert cmp["hard"] >= 3, cmp
@@ -73,21 +95,15 @@ def test_noise_on_the_targets_logits_in_verification_is_a_hard_divergence(pair,
     assert any(r.startswith("hard divergence") for r in rec["verdict"]["reasons"])
 
 
-def test_calibrate_then_judge_by_the_golden_without_a_reference_engine(pair, tmp_path: Path) -> None:
+def test_calibrate_then_judge_by_the_golden_without_a_reference_engine(small_golden: Path,
+                                                                       tmp_path: Path) -> None:
     """`calibrate` writes a golden from real runs; `--reference golden` then starts only the
-    speculative engine and the verdict is calibrated against it (small: TP=1, 10 prompts)."""
+    speculative engine and the verdict is calibrated against it (small: TP=1, 20 prompts)."""
     import json
-    import subprocess
-    import sys
 
-    golden = tmp_path / "golden.json"
-    small = ["--tp", "1", "--num-prompts", "10"]
-    r = subprocess.run([sys.executable, "-m", "validate", "calibrate", *small, "--runs", "1",
-                        "--out", str(golden), "--run-dir", str(tmp_path / "cal")],
-                       capture_output=True, text=True, timeout=1800, check=False)
-    assert r.returncode == Exit.PASS, r.stderr[-3000:]
+    golden, small = small_golden, SMALL
     g = json.loads(golden.read_text())
-    assert g["runs"] == 1 and g["tensor_parallel_size"] == 1 and len(g["reference"]) == 10
+    assert g["runs"] == 1 and g["tensor_parallel_size"] == 1 and len(g["reference"]) == 20
     assert g["acceptance"]["mean_acceptance_length"]["tolerance"] > 0
 
     code, rec, out = rehearse(tmp_path / "run", *small, "--golden", str(golden),

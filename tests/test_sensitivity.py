@@ -24,7 +24,9 @@ def test_the_sensitivity_suite_catches_every_breakage(sensitivity_suite,
     outcomes = {o["name"]: o for o in report["outcomes"]}
     expected = {b.name: b.expect for b in sensitivity.chosen(None, TIER)}
     classes = {b.kind for b in sensitivity.catalogue()}
-    assert {b.kind for b in sensitivity.chosen(None, TIER)} == classes, "every class of fault runs"
+    ran = {b.kind for b in sensitivity.chosen(None, TIER)}
+    # the CI tier's control is comment-only through `compare` (test_vllm_change.py)
+    assert ran | ({"control"} if TIER == "ci" else set()) == classes, "every class of fault runs"
     assert set(outcomes) == {"release (unpatched)", *expected}, sorted(outcomes)
     assert outcomes["release (unpatched)"]["verdict"] == "PASS", outcomes["release (unpatched)"]
     wrong = {name: (o["verdict"], o["mean_acceptance"], o["detail"]) for name, o in outcomes.items()

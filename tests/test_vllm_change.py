@@ -78,6 +78,7 @@ def test_a_patch_becomes_an_overlay_and_the_release_is_untouched(vllm_here) -> N
 
 
 @pytest.mark.e2e
+@pytest.mark.full  # three torch.compile'd engine loads, minutes on 2 cores: the nightly tier
 def test_a_breaking_change_to_a_compiled_forward_right_after_a_clean_run_is_a_regression(
         pair, tmp_path: Path) -> None:
     """`compare` with torch.compile on (profile tiny-compiled, vLLM's default outside the eager
@@ -110,7 +111,9 @@ def test_a_breaking_change_to_a_compiled_forward_right_after_a_clean_run_is_a_re
 @pytest.mark.e2e
 def test_compare_says_ok_for_a_comment(sensitivity_suite, tmp_path: Path) -> None:
     """`compare` beside a patch that only adds a comment, judged against the release's golden
-    (the sensitivity suite's, measured in this test run on this machine, TP=2): OK, exit 0."""
+    (the sensitivity suite's, measured in this test run on this machine, TP=2): OK, exit 0.
+    In the CI tier this is the catalogue's control class (the suite's CI subset leaves
+    `comment-only` to this test: the same run, through `compare`)."""
     _, _, suite = sensitivity_suite
     run = tmp_path / "compare"
     r = _compare("--vllm-patch", str(HARMLESS), "--baseline-golden", str(suite / "golden.json"),

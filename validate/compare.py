@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from validate import device_class, goldens, metrics, profiles, vllm_change
+from validate import device_class, goldens, metrics, profiles, request, vllm_change
 from validate.contract import BadInput, BadRecord, Exit
 from validate.files import atomic_write
 from validate.record import RunRecord
@@ -59,25 +59,19 @@ def suite_folder(args: argparse.Namespace, kind: str, tp: int) -> Path:
 def sized_profile(args: argparse.Namespace) -> tuple[profiles.Profile, list[str]]:
     """The profile at the options' size, and the command line that runs it (its subcommand, the
     profile, the sizes, and where it runs: ``--container`` or ``--no-container``, weights)."""
-    try:
-        profile = profiles.get(getattr(args, "profile", None) or "tiny")
-    except profiles.UnknownProfile as exc:
-        raise BadInput(str(exc)) from exc
-    # CPU: TP=2 unless told (sharding breakages show at TP > 1; TP=8 takes 4x the engines' time)
-    tp = args.tp if args.tp is not None else (2 if profile.device == "cpu" else None)
-    profile = profile.with_overrides(tensor_parallel_size=tp, num_prompts=args.num_prompts,
-                                     max_tokens=args.max_tokens)
-    if problems := profile.problems():
-        raise BadInput("; ".join(problems))
+    get = vars(args).get
+    profile = request.resolve(get("profile") or "tiny", tp=get("tp"),
+                              num_prompts=get("num_prompts"), max_tokens=get("max_tokens"))
+    if get("tp") is None and profile.device == "cpu":
+        # CPU: TP=2 unless told (sharding breakages show at TP > 1; TP=8 takes 4x the engines' time)
+        profile = profile.with_overrides(tensor_parallel_size=2)
     where: list[str] = []
     if profile.generated:
-        where += ["--container"] if getattr(args, "container", False) else []
+        where += ["--container"] if get("container") else []
     else:  # hub models: the real run's flow (fetched, verified, in the pinned image by default)
-        where += ["--no-container"] if getattr(args, "no_container", False) else []
-        for flag in ("--lock-file", "--cache-dir", "--local-dir"):
-            if (value := getattr(args, flag[2:].replace("-", "_"), None)) is not None:
-                where.append(f"{flag}={value}")
-        where += ["--offline"] if getattr(args, "offline", False) else []
+        where += ["--no-container"] if get("no_container") else []
+        where += request.Weights(Path(get("lock_file")), get("cache_dir"), get("local_dir"),
+                                 bool(get("offline"))).argv()
     command = "rehearse" if profile.generated else "validate"
     return profile, [command, "--profile", profile.name, "--tp",
                      str(profile.tensor_parallel_size), "--num-prompts", str(profile.num_prompts),

@@ -28,7 +28,6 @@ import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +63,6 @@ class FetchInterrupted(FetchError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, Exit.INTERRUPTED)
-
-
-def default_lock_path() -> Path:
-    return Path(str(resources.files("validate.data").joinpath("weights.lock.json")))
 
 
 def load_lock(path: Path) -> dict[str, RepoLock]:

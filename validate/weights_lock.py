@@ -14,11 +14,18 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from validate.contract import BadInput
 from validate.files import atomic_write
+
+
+def default_path() -> Path:
+    """The kit's own lock file (``validate/data/weights.lock.json``), shipped in the package."""
+    return Path(str(resources.files("validate.data").joinpath("weights.lock.json")))
+
 
 SCHEMA = 1
 COMMIT = re.compile(r"[0-9a-f]{40}")

@@ -1,0 +1,39 @@
+"""What is refused before anything costly (a download, a build, an engine start): a golden that
+does not apply, a TP size or head config vLLM would fail on. Host side; each refusal is exit 2
+with one line naming what is wrong and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from validate import compat, device_class, goldens, profiles
+from validate.contract import BadInput
+
+
+def golden(given: str | None, profile: profiles.Profile) -> None:
+    """``--golden FILE`` refused unless it can be read and is of this profile, TP and (on CPU,
+    where the host can tell) device class: falling back to the floors would hide that the golden
+    asked for was never used."""
+    if given in (None, "auto", "none"):
+        return
+    path = Path(given)
+    hint = goldens.regenerate_hint(profile.name, profile.tensor_parallel_size)
+    if not path.is_file():
+        raise BadInput(f"--golden {given}: no such file; pass a golden from "
+                       f"validate/data/goldens/, `--golden auto` (the one for this machine), or "
+                       f"make one with {hint}")
+    problem = goldens.mismatch(goldens.load(path, regenerate=hint), profile=profile.name,
+                               tp=profile.tensor_parallel_size,
+                               device_class=device_class.cpu() if profile.device == "cpu" else None)
+    if problem:
+        raise BadInput(f"--golden {given} does not apply: {problem}; use `--golden auto`, or make "
+                       f"one with {hint}")
+
+
+def models(profile: profiles.Profile, target: str, draft: str,
+           refused: str = "refused before starting any engine") -> None:
+    """What vLLM would fail on at this TP size (compat), said before anything costly."""
+    problems = compat.head_problems(Path(draft)) + compat.tp_problems(
+        Path(target), profile.tensor_parallel_size)
+    if problems:
+        raise BadInput(f"{refused}:\n  - " + "\n  - ".join(problems))
