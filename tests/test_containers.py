@@ -21,6 +21,7 @@ from helpers import docker, image_args, push
 
 from validate import build, cli, containers, request
 from validate.contract import Exit
+from validate.prompts import chat_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 CANARY = "hf_CANARYtokenNEVERinIMAGESorLOGS0123456789"
@@ -108,9 +109,14 @@ def test_full_rehearsal_passes_through_hub_cache_image_and_container(
         assert models[key] == host["models"][key], key
     if tp == 8:  # the same golden (or the same lack of one) applies
         assert rec["verdict"]["calibration"] == host["verdict"]["calibration"]
+    # the profile's prompts, drawn for this count (a count of its own draws other prompts, as
+    # vLLM's get_test_prompts does)
     prompts = [o["prompt"] for o in rec["outputs"]]
-    assert prompts == [o["prompt"] for o in host["outputs"]][:len(prompts)]
-    assert len(prompts) == (int(sizes[3]) if sizes else len(host["outputs"]))
+    chats = chat_prompts(rec["profile"]["prompt_set"], int(sizes[3]) if sizes else 100)
+    assert len(prompts) == len(chats)
+    assert all(c[0]["content"] in p for c, p in zip(chats, prompts, strict=True)), prompts[:2]
+    if not sizes:
+        assert prompts == [o["prompt"] for o in host["outputs"]]
     # the container: the CPU image, as the invoking user, no host IPC without GPUs, removed
     container = rec["container"]
     assert container["image"].startswith("llama4-eagle-validate/cpu:") and container["exit_code"] == 0

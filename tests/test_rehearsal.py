@@ -63,13 +63,14 @@ def small_golden(pair, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return golden
 
 
-def test_random_head_matches_but_fails_on_acceptance(small_golden: Path, tmp_path: Path) -> None:
+def test_random_head_matches_but_fails_on_acceptance(tmp_path: Path) -> None:
     """The seed's exact-match check alone would pass this head; the kit's verdict must not.
 
-    TP=1 against the small golden: the verdict's logic does not depend on TP, and the shared
-    TP=8 rehearsal already proves the TP=8 path."""
-    code, rec, _ = rehearse(tmp_path / "run", "--head", "random", *SMALL, "--golden",
-                            str(small_golden), "--reference", "golden")
+    TP=1 on the small sizes with a live reference: a golden is made for the distilled head (its
+    draft weights are part of what it pins), so this head is judged against the profile's
+    acceptance floor. The verdict's logic does not depend on TP, and the shared TP=8 rehearsal
+    already proves the TP=8 path."""
+    code, rec, _ = rehearse(tmp_path / "run", "--head", "random", *SMALL, "--golden", "none")
     assert rec["comparison"]["hard"] == 0, "greedy speculative decoding stays lossless"
     assert code == Exit.FAIL, rec.get("verdict") or rec.get("error")
     assert rec["verdict"]["result"] == "FAIL"
