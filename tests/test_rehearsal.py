@@ -79,6 +79,8 @@ def test_random_head_matches_but_fails_on_acceptance(tmp_path: Path) -> None:
     assert any("acceptance is too low" in r for r in rec["verdict"]["reasons"]), rec["verdict"]
 
 
+@pytest.mark.full  # in the CI tier accept-second-choice (test_sensitivity) keeps tokens the
+# target would not choose and is caught by its hard divergences: the same part of the verdict
 def test_noise_on_the_targets_logits_in_verification_is_a_hard_divergence(small_golden: Path,
                                                                           tmp_path: Path) -> None:
     """A deliberate bug (tests/perturbations/sitecustomize.py): the speculative path verifies
@@ -98,6 +100,8 @@ def test_noise_on_the_targets_logits_in_verification_is_a_hard_divergence(small_
     assert any(r.startswith("hard divergence") for r in rec["verdict"]["reasons"])
 
 
+@pytest.mark.full  # in the CI tier the sensitivity suite makes a golden from its release run and
+# judges each breakage by it with --reference golden: the same flow, without `calibrate`'s loop
 def test_calibrate_then_judge_by_the_golden_without_a_reference_engine(small_golden: Path,
                                                                        tmp_path: Path) -> None:
     """`calibrate` writes a golden from real runs; `--reference golden` then starts only the

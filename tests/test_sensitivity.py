@@ -25,8 +25,9 @@ def test_the_sensitivity_suite_catches_every_breakage(sensitivity_suite,
     expected = {b.name: b.expect for b in sensitivity.chosen(None, TIER)}
     classes = {b.kind for b in sensitivity.catalogue()}
     ran = {b.kind for b in sensitivity.chosen(None, TIER)}
-    if TIER == "full":
-        assert ran == classes, "every class of fault runs"
+    # the CI tier's control: a comment-only patch as an image layer PASSes (test_containers.py,
+    # --full); through `compare` in the nightly tier (test_vllm_change.py)
+    assert ran | ({"control"} if TIER == "ci" else set()) == classes, "every class of fault runs"
     assert set(outcomes) == {"release (unpatched)", *expected}, sorted(outcomes)
     assert outcomes["release (unpatched)"]["verdict"] == "PASS", outcomes["release (unpatched)"]
     wrong = {name: (o["verdict"], o["mean_acceptance"], o["detail"]) for name, o in outcomes.items()
@@ -34,7 +35,6 @@ def test_the_sensitivity_suite_catches_every_breakage(sensitivity_suite,
     assert not wrong, f"judged other than expected (a missed breakage, or a control that cried wolf): {wrong}"
     assert all(o["verdict"] in ("PASS", "FAIL", "ERROR") for o in outcomes.values()), outcomes
     assert code == 0 and report["missed"] == [], output[-3000:]
-    # the CI subset (one breakage per part of the verdict) proves each part catches its fault
     caught = {part for o in outcomes.values() for part in o["caught_by"].split(", ") if part}
     assert caught >= {"acceptance", "divergences", "counters"}, (
         f"every part of the verdict caught a breakage: {caught}")

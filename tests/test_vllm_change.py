@@ -110,8 +110,8 @@ def test_a_breaking_change_to_a_compiled_forward_right_after_a_clean_run_is_a_re
 
 @pytest.mark.e2e
 @pytest.mark.full  # one more TP=2 engine run (80 s on 2 cores): the CI tier's compare is its
-# refusals (test_exit_codes) and the verdict's table (test_metrics); a comment-only patch runs
-# as an image layer there (test_containers, --full) and PASSes
+# refusals (test_exit_codes), the verdict's table (test_metrics) and the suite's runs; a
+# comment-only patch runs as an image layer there (test_containers, --full) and PASSes
 def test_compare_says_ok_for_a_comment(sensitivity_suite, tmp_path: Path) -> None:
     """`compare` beside a patch that only adds a comment, judged against the release's golden
     (the sensitivity suite's, measured in this test run on this machine, TP=2): OK, exit 0.
