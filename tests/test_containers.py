@@ -112,8 +112,9 @@ def test_full_rehearsal_passes_through_hub_cache_image_and_container(
     # the profile's prompts, drawn for this count (a count of its own draws other prompts, as
     # vLLM's get_test_prompts does)
     prompts = [o["prompt"] for o in rec["outputs"]]
-    chats = chat_prompts(rec["profile"]["prompt_set"], int(sizes[3]) if sizes else 100)
-    assert len(prompts) == len(chats)
+    assert len(prompts) == rec["profile"]["num_prompts"] == (int(sizes[3]) if sizes else
+                                                             len(host["outputs"]))
+    chats = chat_prompts(rec["profile"]["prompt_set"], len(prompts))
     assert all(c[0]["content"] in p for c, p in zip(chats, prompts, strict=True)), prompts[:2]
     if not sizes:
         assert prompts == [o["prompt"] for o in host["outputs"]]

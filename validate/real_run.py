@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from validate import checks, hub, launch, preflight, request, ui, vllm_change, weights_lock
+from validate import checks, hub, launch, preflight, profiles, request, ui, vllm_change, weights_lock
 from validate.contract import BadInput, Exit
 from validate.record import RunRecord
 from validate.ui import console
@@ -59,7 +59,7 @@ def validate(req: request.Run) -> tuple[RunRecord, Exit] | tuple[list[preflight.
 
 def repos(req: request.Run) -> tuple[str, str]:
     profile = req.profile
-    if profile.generated:
+    if profile.generated or profile.draft.startswith(profiles.GENERATED):
         raise BadInput(f"profile {profile.name} uses the generated tiny pair: nothing to fetch "
                        "(`nox -s rehearse_tp8` builds it)")
     return profile.target, profile.draft
