@@ -23,7 +23,8 @@ def test_the_sensitivity_suite_catches_every_breakage(sensitivity_suite,
     report = json.loads((run / "sensitivity.json").read_text())
     outcomes = {o["name"]: o for o in report["outcomes"]}
     expected = {b.name: b.expect for b in sensitivity.chosen(None, TIER)}
-    classes = {b.kind for b in sensitivity.catalogue()}
+    # a quantized target's breakages run on tiny-fp8 (GPU only: docs/evidence/h200-fp8)
+    classes = {b.kind for b in sensitivity.catalogue() if not b.quantized}
     ran = {b.kind for b in sensitivity.chosen(None, TIER)}
     # the CI tier's control: a comment-only patch as an image layer PASSes (test_containers.py,
     # --full); through `compare` in the nightly tier (test_vllm_change.py)

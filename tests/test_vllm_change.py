@@ -145,7 +145,10 @@ def test_every_breakage_of_the_catalogue_applies_to_the_pinned_vllm(vllm_here) -
             "what it shares with the target", "tensor-parallel sharding",
             "the drafting loop"} <= places
     assert {b.kind for b in catalogue} == {"head", "sharing", "drafting", "lossy", "bookkeeping",
-                                           "control"}, "every class of fault, the acceptance rule's too"
+                                           "quantization", "control"}, (
+        "every class of fault, the acceptance rule's and a quantized target's too")
+    assert {b.name for b in catalogue if b.quantized} == {
+        b.name for b in catalogue if b.kind == "quantization"}, "quantized-path breakages say so"
     hunks = set()
     for b in catalogue:
         change = vllm_change.from_patch(b.patch, sys.executable)

@@ -41,9 +41,11 @@ from validate.ui import console
 HEADS = {"trained": "generated:head", "random": "generated:random-head"}
 
 
-def generated_pair() -> Path:
-    """Build (or reuse) the tiny pair in the engine environment; returns its folder."""
-    proc = subprocess.run([sys.executable, "-m", "validate.synth"], stdout=subprocess.PIPE,
+def generated_pair(fp8: bool = False) -> Path:
+    """Build (or reuse) the tiny pair in the engine environment, with its FP8 target if asked
+    (``validate.quantize``); returns the pair's folder."""
+    module = "validate.quantize" if fp8 else "validate.synth"
+    proc = subprocess.run([sys.executable, "-m", module], stdout=subprocess.PIPE,
                           text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"generating the tiny pair failed (exit {proc.returncode}); "
@@ -58,7 +60,7 @@ def resolve_models(profile: profiles.Profile, target: str | None, draft: str | N
     draft = draft or HEADS.get(head or "") or profile.draft
     target = target or profile.target
     if target.startswith(profiles.GENERATED) or draft.startswith(profiles.GENERATED):
-        pair = generated_pair()
+        pair = generated_pair(fp8=profiles.GENERATED + "target-fp8" in (target, draft))
         target, draft = (str(pair / m.removeprefix(profiles.GENERATED))
                          if m.startswith(profiles.GENERATED) else m for m in (target, draft))
     for path, what in ((target, "target"), (draft, "draft")):

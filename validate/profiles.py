@@ -38,6 +38,10 @@ class Profile:
     near_tie_cap: float
     top_logprobs: int
     min_mean_acceptance_length: float
+    # Why the profile runs on ``device`` only, said where another device is asked to run it.
+    device_note: str = ""
+    # The target's quantization ("fp8"), where it has one: quantized-path breakages need it.
+    quantization: str = ""
 
     @property
     def generated(self) -> bool:

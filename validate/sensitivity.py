@@ -34,6 +34,7 @@ class Breakage:
     what: str
     expect: str = "fail"  # "fail": FAIL or ERROR; "pass": a control that must PASS
     ci: bool = False  # in the CI tier's subset
+    quantized: bool = False  # needs a quantized target (a profile with ``quantization``)
 
     @property
     def patch(self) -> Path:
@@ -45,16 +46,24 @@ def catalogue() -> list[Breakage]:
     return [Breakage(kind=b.pop("class"), **b) for b in data["breakage"]]
 
 
-def chosen(only: list[str] | None, tier: str = "full") -> list[Breakage]:
-    """The breakages a suite runs: ``--only`` names (each must exist), else the tier's."""
+def chosen(only: list[str] | None, tier: str = "full", quantized: bool = False) -> list[Breakage]:
+    """The breakages a suite runs: ``--only`` names (each must exist), else the tier's; those of
+    a quantized target's path only where the profile's target is quantized (elsewhere the code
+    they break never runs, and their PASS would read as a miss)."""
     every = catalogue()
     if only:
         unknown = set(only) - {b.name for b in every}
         if unknown:
             raise BadInput(f"no breakage named {', '.join(sorted(unknown))} in "
                            "validate/data/breakages.toml")
+        unfit = [b.name for b in every if b.name in only and b.quantized and not quantized]
+        if unfit:
+            raise BadInput(f"{', '.join(unfit)} break(s) a quantized target's path, and this "
+                           "profile's target is not quantized; run it with --profile tiny-fp8 "
+                           "(on a GPU)")
         return [b for b in every if b.name in only]
-    return [b for b in every if b.ci] if tier == "ci" else every
+    fit = [b for b in every if quantized or not b.quantized]
+    return [b for b in fit if b.ci] if tier == "ci" else fit
 
 
 @dataclass
@@ -107,8 +116,8 @@ def _outcome(name: str, place: str, code: int, rec: dict | None, seconds: float,
 
 def run(args: argparse.Namespace, log: Any = print) -> tuple[list[Outcome], Exit]:
     """The suite; returns each run's outcome (the release first) and the suite's exit code."""
-    breakages = chosen(args.only, getattr(args, "tier", "full"))
     profile, sized = compare.sized_profile(args)
+    breakages = chosen(args.only, getattr(args, "tier", "full"), bool(profile.quantization))
     base = compare.suite_folder(args, "sensitivity", profile.tensor_parallel_size)
     started = time.monotonic()
     code, rec, seconds, golden_path = compare.release_baseline(base, sized, log)

