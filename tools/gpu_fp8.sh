@@ -5,6 +5,9 @@
 # Device calls are limited to 10 minutes and this takes longer, so it runs detached:
 #   setsid nohup tools/gpu_fp8.sh DIR >/dev/null 2>&1 &   # then poll DIR/steps.log
 # DIR gets steps.log, each step's log, the golden, each run's record.json and summary.md.
+# The host needs loguru beside the gpu-wheels parts (compressed-tensors imports it; vLLM reads an
+# FP8 compressed-tensors checkpoint through it): `pip download loguru -d .whl/extra` here, carry
+# .whl/extra, and `pip install --no-index --no-deps --target /tmp/site .whl/extra/*.whl` there.
 set -uo pipefail
 dir=$1
 mkdir -p "$dir"
