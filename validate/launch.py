@@ -60,7 +60,7 @@ def resolve_models(profile: profiles.Profile, target: str | None, draft: str | N
     draft = draft or HEADS.get(head or "") or profile.draft
     target = target or profile.target
     if target.startswith(profiles.GENERATED) or draft.startswith(profiles.GENERATED):
-        pair = generated_pair(fp8=profiles.GENERATED + "target-fp8" in (target, draft))
+        pair = generated_pair(fp8=profiles.GENERATED_FP8 in (target, draft))
         target, draft = (str(pair / m.removeprefix(profiles.GENERATED))
                          if m.startswith(profiles.GENERATED) else m for m in (target, draft))
     for path, what in ((target, "target"), (draft, "draft")):

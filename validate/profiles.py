@@ -13,6 +13,8 @@ from importlib import resources
 from typing import Any
 
 GENERATED = "generated:"
+# The tiny pair's FP8 target (validate/quantize.py writes it beside the pair's BF16 target).
+GENERATED_FP8 = GENERATED + "target-fp8"
 
 
 class UnknownProfile(KeyError):

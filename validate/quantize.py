@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from validate.files import staged_folder
+from validate.profiles import GENERATED, GENERATED_FP8
 
-FOLDER = "target-fp8"
+FOLDER = GENERATED_FP8.removeprefix(GENERATED)
 # The largest finite float8_e4m3fn value: a channel's absmax maps onto it.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 

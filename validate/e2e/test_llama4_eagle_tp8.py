@@ -55,7 +55,7 @@ def _resolve(profile: profiles.Profile, option: str | None, field: str) -> str:
         from validate import synth
 
         root = synth.ensure().root
-        if value == profiles.GENERATED + "target-fp8":
+        if value == profiles.GENERATED_FP8:
             from validate import quantize
 
             return str(quantize.ensure(root))
