@@ -1,4 +1,5 @@
-"""The FP8 target (profile tiny-fp8): Maverick's code paths and checkpoint format, in miniature."""
+"""The FP8 targets (profiles tiny-fp8, tiny-fp8-attn): Maverick's code paths and checkpoint format,
+in miniature, and the quantized paths their breakages need."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from validate import quantize, synth  # noqa: E402
+from validate import profiles, quantize, sensitivity, synth  # noqa: E402
+from validate.contract import BadInput  # noqa: E402
 
 MAVERICK = json.loads((Path(__file__).parent / "data" / "maverick-text-config.json").read_text())
 
@@ -66,7 +68,7 @@ def _state(e: int = 2, h: int = 64, inter: int = 32) -> dict[str, torch.Tensor]:
 
 def test_only_the_routed_experts_are_fp8_one_expert_at_a_time() -> None:
     state = _state()
-    out, quantized, _ = quantize.quantize_state(state, quantize.spec())
+    out, quantized, _ = quantize.quantize_state(state, quantize.variant("target-fp8"))
     assert sorted(quantized) == sorted(
         f"model.layers.1.feed_forward.experts.{e}.{p}" for e in range(2)
         for p in ("gate_proj", "up_proj", "down_proj")), quantized
@@ -88,8 +90,9 @@ def test_only_the_routed_experts_are_fp8_one_expert_at_a_time() -> None:
 
 
 def test_the_config_is_compressed_tensors_fp8_dynamic_naming_each_bf16_module() -> None:
-    _, _, kept = quantize.quantize_state(_state(), quantize.spec())
-    qc = quantize.quantization_config(quantize.spec(), kept)
+    cfg = quantize.variant("target-fp8")
+    _, _, kept = quantize.quantize_state(_state(), cfg)
+    qc = quantize.quantization_config(cfg, kept)
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
     group = qc["config_groups"]["group_0"]
     assert (group["weights"]["strategy"], group["weights"]["num_bits"], group["weights"]["type"]) \
@@ -101,6 +104,64 @@ def test_the_config_is_compressed_tensors_fp8_dynamic_naming_each_bf16_module() 
         "lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.feed_forward.gate_proj",
         "model.layers.0.feed_forward.down_proj", "model.layers.1.feed_forward.router",
         "model.layers.1.feed_forward.shared_expert.up_proj"]), qc["ignore"]
+
+
+def test_the_attention_variant_differs_from_mavericks_set_by_attention_alone() -> None:
+    base, with_attn = (quantize.quantize_state(_state(), quantize.variant(v))[1]
+                       for v in ("target-fp8", "target-fp8-attn"))
+    assert sorted(set(with_attn) - set(base)) == ["model.layers.0.self_attn.q_proj"], with_attn
+    assert set(base) <= set(with_attn), "every module Maverick's set quantizes stays FP8"
+    with pytest.raises(ValueError, match=r"no FP8 variant 'target-fp8-x'.*target-fp8-attn"):
+        quantize.variant("target-fp8-x")
+
+
+def _vllm_permuted(name: str, w: torch.Tensor, config: SimpleNamespace) -> torch.Tensor:
+    """vLLM's own q/k permutation for rotary (Llama4ForCausalLM.permute_qk_weight_for_rotary),
+    as it loads one checkpoint tensor."""
+    llama4 = pytest.importorskip("vllm.model_executor.models.llama4")
+    fn = llama4.Llama4ForCausalLM.permute_qk_weight_for_rotary
+    return fn(SimpleNamespace(config=config), name, w)[1]
+
+
+@pytest.mark.e2e
+def test_unpermuted_qk_scales_change_the_tiny_targets_queries(pair) -> None:
+    """Why fp8-qk-scales-not-permuted can FAIL on tiny-fp8-attn: on this pair's own q_proj, vLLM's
+    loader keeps weight and scale rows together (dequantized, the permuted BF16 weight within FP8's
+    error), and scales left in checkpoint order put other rows' scales on them, far off."""
+    from safetensors.torch import load_file
+
+    target = quantize.ensure(pair.root, "target-fp8-attn")
+    config = SimpleNamespace(**json.loads((target / "config.json").read_text()))
+    state = load_file(target / "model.safetensors")
+    name = next(k for k in state if k.endswith("self_attn.q_proj.weight"))
+    w, s = state[name], state[name.replace(".weight", ".weight_scale")]
+    assert w.dtype == torch.float8_e4m3fn and s.shape == (w.shape[0], 1), (w.dtype, s.shape)
+    bf16 = load_file(pair.root / "target" / "model.safetensors")[name].float()
+    truth = _vllm_permuted(name, bf16, config)
+    w_p = _vllm_permuted(name, w.float(), config)
+    right = w_p * _vllm_permuted(name.replace(".weight", ".weight_scale"), s.float(), config)
+    wrong = w_p * s.float()
+    err = ((right - truth).norm() / truth.norm()).item()
+    bad = ((wrong - truth).norm() / truth.norm()).item()
+    print(f"q_proj dequantized after vLLM's permutation: {err:.4f} relative error with its "
+          f"scales permuted too, {bad:.4f} with them left in checkpoint order")
+    assert err < 0.05 and bad > 4 * err, (err, bad)
+
+
+def test_quantized_path_breakages_run_only_where_their_code_runs() -> None:
+    def names(profile: str) -> set[str]:
+        return {b.name for b in sensitivity.chosen(None, "full",
+                                                   profiles.get(profile).quantized_modules)
+                if b.quantized}
+
+    assert names("tiny") == set()
+    assert names("tiny-fp8") == {"draft-target-quant-config", "fp8-moe-shard-scales-swapped"}
+    assert names("tiny-fp8-attn") == names("tiny-fp8") | {"fp8-qk-scales-not-permuted"}
+    assert "attention" not in profiles.get("maverick-tp8").quantized_modules, \
+        "Maverick-FP8 leaves attention BF16: the q/k scale breakage would be dead code there"
+    with pytest.raises(BadInput, match=r"attention quantized.*has experts quantized.*tiny-fp8-attn"):
+        sensitivity.chosen(["fp8-qk-scales-not-permuted"], "full",
+                           profiles.get("tiny-fp8").quantized_modules)
 
 
 PROBE = """
@@ -125,9 +186,11 @@ def test_vllms_cpu_build_still_cannot_run_maverick_fp8(pair, tmp_path: Path) -> 
 
 
 @pytest.mark.e2e
-def test_tiny_fp8_on_cpu_is_refused_in_one_line_with_exit_3(pair, tmp_path: Path) -> None:
+@pytest.mark.parametrize("profile", ["tiny-fp8", "tiny-fp8-attn"])
+def test_tiny_fp8_on_cpu_is_refused_in_one_line_with_exit_3(pair, tmp_path: Path,
+                                                           profile: str) -> None:
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "validate", "rehearse", "--profile", "tiny-fp8",
+    r = subprocess.run([sys.executable, "-m", "validate", "rehearse", "--profile", profile,
                         "--run-dir", str(run)], capture_output=True, text=True, timeout=600,
                        check=False)
     assert r.returncode == 3, (r.returncode, (r.stdout + r.stderr)[-3000:])

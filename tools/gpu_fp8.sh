@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# tiny-fp8 on one GPU (vLLM 0.25.0's defaults: torch.compile + CUDA graphs): the pair and its FP8
-# target generated on the GPU host, a golden calibrated from 3 runs, a clean run judged by it
-# (live reference), then each quantized-path breakage of the sensitivity catalogue against it.
+# The FP8 targets on one GPU (vLLM 0.25.0's defaults: torch.compile + CUDA graphs), in one go:
+#   tiny-fp8 (Maverick's format): a clean run judged by its committed golden (calibrated again
+#     only if this host's pair has other weights), each quantized-path breakage against it,
+#     `compare` against that golden (a breakage: REGRESSION; a comment-only change: OK);
+#   tiny-fp8-attn (attention FP8 too): a golden from 3 runs, a clean run judged by it, the q/k
+#     scale breakage against it, and the same breakage on tiny-fp8 (no FP8 attention: must PASS).
 # Device calls are limited to 10 minutes and this takes longer, so it runs detached:
 #   setsid nohup tools/gpu_fp8.sh DIR >/dev/null 2>&1 &   # then poll DIR/steps.log
-# DIR gets steps.log, each step's log, the golden, each run's record.json and summary.md.
+# DIR gets steps.log, each step's log, the new golden, each run's record.json and summary.md.
 # The host needs loguru beside the gpu-wheels parts (compressed-tensors imports it; vLLM reads an
 # FP8 compressed-tensors checkpoint through it): `pip download loguru -d .whl/extra` here, carry
 # .whl/extra, and `pip install --no-index --no-deps --target /tmp/site .whl/extra/*.whl` there.
@@ -17,7 +20,7 @@ rm -rf /root/kit-snapshot && mkdir -p /root/kit-snapshot
 tar --exclude=./.whl --exclude=./.git --exclude=./runs -cf - . | tar -xf - -C /root/kit-snapshot
 cd /root/kit-snapshot || exit 1
 export VALIDATE_CACHE=${VALIDATE_CACHE:-/root/kit-cache}
-step() {  # step NAME COMMAND...: run it, log it, keep its record
+step() {  # step NAME COMMAND...: run it, log it, keep its records
   local name=$1; shift
   echo "$(date -u +%T) start $name: $*" >> "$dir/steps.log"
   "$@" > "$dir/$name.log" 2>&1
@@ -29,15 +32,41 @@ step() {  # step NAME COMMAND...: run it, log it, keep its record
     cp "$(dirname "$rec")"/summary.md "$dir/$sub/" 2>/dev/null
     python3 -c "import json,sys;r=json.load(open(sys.argv[1]));[r.pop(k,None) for k in ('outputs','reference_outputs','raw_counters')];json.dump(r,open(sys.argv[2],'w'),indent=1)" "$rec" "$dir/$sub/record.json"
   done
+  cp runs/"$name"/compare.md "$dir/$name/" 2>/dev/null
+  return $rc
 }
+b=validate/data/breakages
 gpu=$(python3 -c 'import torch;print(torch.cuda.get_device_name(0).lower().split()[-1])')
-golden="$dir/tiny-fp8-$gpu-tp1.json"
-step quantize python3 -m validate.quantize
-step cal-fp8 python3 -m validate calibrate --profile tiny-fp8 --tp 1 --runs 3 --run-dir runs/cal-fp8 --out "$golden"
-step fp8-clean python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$golden" --run-dir runs/fp8-clean
-for b in draft-target-quant-config fp8-moe-shard-scales-swapped; do
-  step "fp8-$b" python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$golden" \
-    --reference golden --vllm-patch "validate/data/breakages/$b.patch" --run-dir "runs/fp8-$b"
-done
+fp8=validate/data/goldens/tiny-fp8-$gpu-tp1.json
+attn="$dir/tiny-fp8-attn-$gpu-tp1.json"
+step quantize python3 -m validate.quantize --variant target-fp8
+step quantize-attn python3 -m validate.quantize --variant target-fp8-attn
+step fp8-clean python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$fp8" \
+  --run-dir runs/fp8-clean
+if [ $? = 2 ]; then  # this host's pair is not the golden's: calibrate it here
+  fp8="$dir/tiny-fp8-$gpu-tp1.json"
+  step cal-fp8 python3 -m validate calibrate --profile tiny-fp8 --tp 1 --runs 3 \
+    --run-dir runs/cal-fp8 --out "$fp8"
+  rm -rf runs/fp8-clean
+  step fp8-clean python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$fp8" \
+    --run-dir runs/fp8-clean
+fi
+step fp8-compare-moe-scales python3 -m validate compare --profile tiny-fp8 --tp 1 \
+  --baseline-golden "$fp8" --vllm-patch "$b/fp8-moe-shard-scales-swapped.patch" \
+  --run-dir runs/fp8-compare-moe-scales
+step fp8-draft-target-quant-config python3 -m validate rehearse --profile tiny-fp8 --tp 1 \
+  --golden "$fp8" --reference golden --vllm-patch "$b/draft-target-quant-config.patch" \
+  --run-dir runs/fp8-draft-target-quant-config
+step cal-attn python3 -m validate calibrate --profile tiny-fp8-attn --tp 1 --runs 3 \
+  --run-dir runs/cal-attn --out "$attn"
+step attn-clean python3 -m validate rehearse --profile tiny-fp8-attn --tp 1 --golden "$attn" \
+  --run-dir runs/attn-clean
+step attn-qk-scales python3 -m validate rehearse --profile tiny-fp8-attn --tp 1 --golden "$attn" \
+  --reference golden --vllm-patch "$b/fp8-qk-scales-not-permuted.patch" --run-dir runs/attn-qk-scales
+step fp8-qk-scales-control python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$fp8" \
+  --reference golden --vllm-patch "$b/fp8-qk-scales-not-permuted.patch" \
+  --run-dir runs/fp8-qk-scales-control
+step fp8-compare-comment python3 -m validate compare --profile tiny-fp8 --tp 1 \
+  --baseline-golden "$fp8" --vllm-patch "$b/comment-only.patch" --run-dir runs/fp8-compare-comment
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$dir/nvidia-smi.csv" 2>&1
 touch "$dir/done"

@@ -41,12 +41,11 @@ from validate.ui import console
 HEADS = {"trained": "generated:head", "random": "generated:random-head"}
 
 
-def generated_pair(fp8: bool = False) -> Path:
-    """Build (or reuse) the tiny pair in the engine environment, with its FP8 target if asked
-    (``validate.quantize``); returns the pair's folder."""
-    module = "validate.quantize" if fp8 else "validate.synth"
-    proc = subprocess.run([sys.executable, "-m", module], stdout=subprocess.PIPE,
-                          text=True, check=False)
+def generated_pair(fp8: str | None = None) -> Path:
+    """Build (or reuse) the tiny pair in the engine environment, with FP8 target variant ``fp8``
+    if asked (``validate.quantize``); returns the pair's folder."""
+    cmd = ["-m", "validate.quantize", "--variant", fp8] if fp8 else ["-m", "validate.synth"]
+    proc = subprocess.run([sys.executable, *cmd], stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"generating the tiny pair failed (exit {proc.returncode}); "
                            "see the [synth] lines above")
@@ -60,7 +59,7 @@ def resolve_models(profile: profiles.Profile, target: str | None, draft: str | N
     draft = draft or HEADS.get(head or "") or profile.draft
     target = target or profile.target
     if target.startswith(profiles.GENERATED) or draft.startswith(profiles.GENERATED):
-        pair = generated_pair(fp8=profiles.GENERATED_FP8 in (target, draft))
+        pair = generated_pair(fp8=profiles.fp8_variant(target) or profiles.fp8_variant(draft))
         target, draft = (str(pair / m.removeprefix(profiles.GENERATED))
                          if m.startswith(profiles.GENERATED) else m for m in (target, draft))
     for path, what in ((target, "target"), (draft, "draft")):

@@ -13,8 +13,14 @@ from importlib import resources
 from typing import Any
 
 GENERATED = "generated:"
-# The tiny pair's FP8 target (validate/quantize.py writes it beside the pair's BF16 target).
+# The tiny pair's FP8 targets (validate/quantize.py writes each beside the pair's BF16 target;
+# data/fp8_target.toml names them): ``generated:target-fp8`` (Maverick's set), ``...-attn``.
 GENERATED_FP8 = GENERATED + "target-fp8"
+
+
+def fp8_variant(model: str) -> str | None:
+    """The FP8 variant's folder a model string names (``generated:target-fp8*``), else None."""
+    return model.removeprefix(GENERATED) if model.startswith(GENERATED_FP8) else None
 
 
 class UnknownProfile(KeyError):
@@ -42,8 +48,10 @@ class Profile:
     min_mean_acceptance_length: float
     # Why the profile runs on ``device`` only, said where another device is asked to run it.
     device_note: str = ""
-    # The target's quantization ("fp8"), where it has one: quantized-path breakages need it.
+    # The target's quantization ("fp8"), where it has one, and which of its modules it covers
+    # ("experts", "attention"): a quantized-path breakage runs only where the code it breaks does.
     quantization: str = ""
+    quantized_modules: tuple[str, ...] = ()
 
     @property
     def generated(self) -> bool:
@@ -115,4 +123,6 @@ def get(name: str) -> Profile:
             f"unknown profile {name!r}; known profiles: {', '.join(table)} "
             "(defined in validate/data/profiles.toml)"
         )
-    return Profile(name=name, **table[name])
+    fields = dict(table[name])
+    fields["quantized_modules"] = tuple(fields.get("quantized_modules", ()))
+    return Profile(name=name, **fields)

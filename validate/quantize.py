@@ -1,9 +1,11 @@
-"""The tiny pair's FP8 target: the generated BF16 target in the released Maverick-FP8 format.
+"""The tiny pair's FP8 targets: the generated BF16 target in the released Maverick-FP8 format.
 
 Engine side (torch, safetensors, compressed-tensors; never vLLM). Why: the real run is Maverick
 **FP8** beside a BF16 EAGLE head, and the code only a quantized target exercises (FP8 MoE kernels,
 loading a BF16 draft beside an FP8 target, the draft's own quantization config) never runs on a
-BF16 pair. ``data/fp8_target.toml`` says which modules are quantized and why (its sources).
+BF16 pair. ``data/fp8_target.toml`` says which modules are quantized and why (its sources), per variant:
+Maverick's own set (routed experts FP8) and the same with attention FP8 too, the only form in which
+the q/k scale permutation of vLLM's Llama-4 loader runs.
 
 The quantization itself is written here because it is four lines of arithmetic per tensor
 (channel-wise absmax scales, a cast to ``float8_e4m3fn``) on a checkpoint that already exists;
@@ -11,7 +13,7 @@ llm-compressor would load the model, calibrate and save it again, for the same n
 ``quantization_config`` is built from the compressed-tensors package's own preset and models, so
 the format is that library's, not a hand-written imitation.
 
-The FP8 target is written beside the pair's BF16 target (``<pair>/target-fp8``), so it shares the
+Each FP8 target is written beside the pair's BF16 target (``<pair>/<variant>``), so it shares the
 pair's manifest (its revision is the pair's fingerprint) and a golden pins its own weights' hash.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -30,7 +33,7 @@ import torch
 from validate.files import staged_folder
 from validate.profiles import GENERATED, GENERATED_FP8
 
-FOLDER = GENERATED_FP8.removeprefix(GENERATED)
+FOLDER = GENERATED_FP8.removeprefix(GENERATED)  # the default variant: Maverick's set
 # The largest finite float8_e4m3fn value: a channel's absmax maps onto it.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
@@ -49,6 +52,16 @@ def quantization_config(cfg: dict[str, Any], ignore: list[str]) -> dict[str, Any
                             ignore=sorted(ignore), quantization_status="compressed")
     return json.loads(json.dumps(qc.model_dump(), default=str)) | {
         "quant_method": "compressed-tensors"}
+
+
+def variant(folder: str) -> dict[str, Any]:
+    """One variant's settings (the shared scheme and targets, its own ``keep_bf16``)."""
+    cfg = spec()
+    variants = cfg.pop("variants")
+    if folder not in variants:
+        raise ValueError(f"no FP8 variant {folder!r} in validate/data/fp8_target.toml; "
+                         f"its variants: {', '.join(sorted(variants))}")
+    return cfg | variants[folder]
 
 
 def stays_bf16(module: str, cfg: dict[str, Any]) -> bool:
@@ -101,11 +114,12 @@ def quantize_state(state: dict[str, torch.Tensor], cfg: dict[str, Any]
     return out, quantized, kept
 
 
-def write(bf16_target: Path, out: Path) -> dict[str, Any]:
-    """Writes the FP8 target into ``out`` (whole or not at all) and returns its report."""
+def write(bf16_target: Path, out: Path, folder: str = FOLDER) -> dict[str, Any]:
+    """Writes variant ``folder`` of the FP8 target into ``out`` (whole or not at all) and returns
+    its report."""
     from safetensors.torch import load_file, save_file
 
-    cfg = spec()
+    cfg = variant(folder)
     state: dict[str, torch.Tensor] = {}
     for f in sorted(bf16_target.glob("*.safetensors")):
         state.update(load_file(f))
@@ -120,19 +134,22 @@ def write(bf16_target: Path, out: Path) -> dict[str, Any]:
         config["quantization_config"] = quantization_config(cfg, kept)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        report = {"quantized_modules": len(quantized), "example": quantized[0],
+        report = {"variant": folder, "quantized_modules": len(quantized),
+                  "example": quantized[0],
                   "bf16_modules": len(kept), "scheme": cfg["scheme"],
                   "keep_bf16": cfg["keep_bf16"]}
         (tmp / "quantization.json").write_text(json.dumps(report, indent=2))
     return report
 
 
-def ensure(pair_root: Path) -> Path:
-    """The pair's FP8 target, written from its BF16 target if absent."""
-    out = pair_root / FOLDER
+def ensure(pair_root: Path, folder: str = FOLDER) -> Path:
+    """The pair's FP8 target (variant ``folder``), written from its BF16 target if absent."""
+    cfg = variant(folder)  # an unknown variant is refused before anything is written
+    out = pair_root / folder
     if not (out / "quantization.json").is_file():
-        print(f"[quantize] writing the FP8 target into {out}", flush=True)
-        write(pair_root / "target", out)
+        print(f"[quantize] writing the FP8 target {folder} into {out} (BF16: "
+              f"{', '.join(cfg['keep_bf16'])})", file=sys.stderr, flush=True)  # stdout: the JSON
+        write(pair_root / "target", out, folder)
     return out
 
 
@@ -144,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m validate.quantize",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--pair", type=Path, default=None, help="the tiny pair (default: the cache)")
+    ap.add_argument("--variant", default=FOLDER, choices=sorted(spec()["variants"]),
+                    help="which FP8 target (data/fp8_target.toml)")
     args = ap.parse_args(argv)
-    out = ensure(synth.ensure(args.pair).root)
+    out = ensure(synth.ensure(args.pair).root, args.variant)
     print(json.dumps({"pair": str(out.parent), "fp8_target": str(out),
                       **json.loads((out / "quantization.json").read_text())}, indent=2))
     return 0

@@ -34,7 +34,16 @@ class Breakage:
     what: str
     expect: str = "fail"  # "fail": FAIL or ERROR; "pass": a control that must PASS
     ci: bool = False  # in the CI tier's subset
-    quantized: bool = False  # needs a quantized target (a profile with ``quantization``)
+    # Which quantized modules the target must have for the code this breaks to run: "" (none),
+    # "any" (a quantization config at all), or a module kind of profiles.toml's
+    # ``quantized_modules`` ("experts", "attention").
+    quantized: str = ""
+
+    def fits(self, quantized_modules: tuple[str, ...]) -> bool:
+        """Whether the code this breaks runs on a target quantized in ``quantized_modules``."""
+        if not self.quantized:
+            return True
+        return bool(quantized_modules) and self.quantized in ("any", *quantized_modules)
 
     @property
     def patch(self) -> Path:
@@ -46,23 +55,27 @@ def catalogue() -> list[Breakage]:
     return [Breakage(kind=b.pop("class"), **b) for b in data["breakage"]]
 
 
-def chosen(only: list[str] | None, tier: str = "full", quantized: bool = False) -> list[Breakage]:
+def chosen(only: list[str] | None, tier: str = "full",
+           quantized: tuple[str, ...] = ()) -> list[Breakage]:
     """The breakages a suite runs: ``--only`` names (each must exist), else the tier's; those of
-    a quantized target's path only where the profile's target is quantized (elsewhere the code
-    they break never runs, and their PASS would read as a miss)."""
+    a quantized target's path only where the profile's target has those modules quantized
+    (elsewhere the code they break never runs, and their PASS would read as a miss)."""
     every = catalogue()
     if only:
         unknown = set(only) - {b.name for b in every}
         if unknown:
             raise BadInput(f"no breakage named {', '.join(sorted(unknown))} in "
                            "validate/data/breakages.toml")
-        unfit = [b.name for b in every if b.name in only and b.quantized and not quantized]
+        unfit = [b for b in every if b.name in only and not b.fits(quantized)]
         if unfit:
-            raise BadInput(f"{', '.join(unfit)} break(s) a quantized target's path, and this "
-                           "profile's target is not quantized; run it with --profile tiny-fp8 "
-                           "(on a GPU)")
+            b = unfit[0]
+            where = "tiny-fp8-attn" if b.quantized == "attention" else "tiny-fp8 or tiny-fp8-attn"
+            has = ", ".join(quantized) or "nothing"
+            raise BadInput(f"{b.name} breaks a quantized target's path ({b.quantized} quantized), "
+                           f"and this profile's target has {has} quantized; run it with "
+                           f"--profile {where} (on a GPU)")
         return [b for b in every if b.name in only]
-    fit = [b for b in every if quantized or not b.quantized]
+    fit = [b for b in every if b.fits(quantized)]
     return [b for b in fit if b.ci] if tier == "ci" else fit
 
 
@@ -117,7 +130,7 @@ def _outcome(name: str, place: str, code: int, rec: dict | None, seconds: float,
 def run(args: argparse.Namespace, log: Any = print) -> tuple[list[Outcome], Exit]:
     """The suite; returns each run's outcome (the release first) and the suite's exit code."""
     profile, sized = compare.sized_profile(args)
-    breakages = chosen(args.only, getattr(args, "tier", "full"), bool(profile.quantization))
+    breakages = chosen(args.only, getattr(args, "tier", "full"), profile.quantized_modules)
     base = compare.suite_folder(args, "sensitivity", profile.tensor_parallel_size)
     started = time.monotonic()
     code, rec, seconds, golden_path = compare.release_baseline(base, sized, log)

@@ -55,10 +55,11 @@ def _resolve(profile: profiles.Profile, option: str | None, field: str) -> str:
         from validate import synth
 
         root = synth.ensure().root
-        if value == profiles.GENERATED_FP8:
+        variant = profiles.fp8_variant(value)
+        if variant:
             from validate import quantize
 
-            return str(quantize.ensure(root))
+            return str(quantize.ensure(root, variant))
         return str(root / value.removeprefix(profiles.GENERATED))
     return value
 
