@@ -173,6 +173,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.e2e
+@pytest.mark.full  # CI runs the refusal below; this probe of vLLM itself (30 s) runs nightly
 def test_vllms_cpu_build_still_cannot_run_maverick_fp8(pair, tmp_path: Path) -> None:
     """The reason tiny-fp8 is GPU-only, tried for real: the day vLLM's CPU build runs this format
     this fails, and the profile should run on CPU too (profiles.toml's device_note says why not)."""
@@ -186,7 +187,7 @@ def test_vllms_cpu_build_still_cannot_run_maverick_fp8(pair, tmp_path: Path) -> 
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("profile", ["tiny-fp8", "tiny-fp8-attn"])
+@pytest.mark.parametrize("profile", ["tiny-fp8", pytest.param("tiny-fp8-attn", marks=pytest.mark.full)])
 def test_tiny_fp8_on_cpu_is_refused_in_one_line_with_exit_3(pair, tmp_path: Path,
                                                            profile: str) -> None:
     run = tmp_path / "run"
