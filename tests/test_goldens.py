@@ -123,3 +123,13 @@ def test_committed_goldens_are_readable_and_reviewable() -> None:
         assert text.splitlines()[2].startswith(' "summary"'), "the summary comes first"
         assert len(text.splitlines()) < 200 + len(g["reference"]), "one line per reference output"
         assert text == goldens.dumps(g), "written by goldens.write (calibrate's form)"
+
+
+@pytest.mark.parametrize(("name", "cls"), [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA L40S", "l40s"), ("Tesla V100-SXM2-16GB", "v100")])
+def test_gpu_class_is_the_model_not_a_memory_word(name: str, cls: str) -> None:
+    """torch names an H100 'NVIDIA H100 80GB HBM3': its goldens must be keyed h100, not hbm3."""
+    from validate.device_class import of_gpu_name
+
+    assert of_gpu_name(name) == cls, f"{name!r} keyed as {of_gpu_name(name)!r}, expected {cls!r}"

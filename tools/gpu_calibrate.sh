@@ -4,7 +4,7 @@
 # Usage: VALIDATE_CACHE=<folder holding tiny-pair/<fingerprint>> tools/gpu_calibrate.sh OUT_DIR [RUNS]
 set -uo pipefail
 out=$1 runs=${2:-3}
-golden="$out/tiny-cuda-$(python3 -c 'import torch;print(torch.cuda.get_device_name(0).lower().split()[-1])')-tp1.json"
+golden="$out/tiny-cuda-$(python3 -c 'import torch;from validate.device_class import of_gpu_name as f;print(f(torch.cuda.get_device_name(0)))')-tp1.json"
 python3 -m validate calibrate --profile tiny-cuda --tp 1 --runs "$runs" \
   --run-dir runs/cal-cuda --out "$golden"
 echo "calibrate exit: $?"

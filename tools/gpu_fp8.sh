@@ -8,6 +8,11 @@
 # Device calls are limited to 10 minutes and this takes longer, so it runs detached:
 #   setsid nohup tools/gpu_fp8.sh DIR >/dev/null 2>&1 &   # then poll DIR/steps.log
 # DIR gets steps.log, each step's log, the new golden, each run's record.json and summary.md.
+# The steps run in the order of what #23 needs most: the tiny-fp8 breakages and `compare` first,
+# then the FP8-attention variant's golden and its breakage, then the clean and control runs; a
+# device machine lost midway (30 minutes at most) still leaves the first steps' records in DIR.
+# STEPS="name name ..." runs only those steps (steps whose evidence is already committed can be
+# left out).
 # The host needs loguru beside the gpu-wheels parts (compressed-tensors imports it; vLLM reads an
 # FP8 compressed-tensors checkpoint through it): `pip download loguru -d .whl/extra` here, carry
 # .whl/extra, and `pip install --no-index --no-deps --target /tmp/site .whl/extra/*.whl` there.
@@ -22,6 +27,9 @@ cd /root/kit-snapshot || exit 1
 export VALIDATE_CACHE=${VALIDATE_CACHE:-/root/kit-cache}
 step() {  # step NAME COMMAND...: run it, log it, keep its records
   local name=$1; shift
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+    echo "$(date -u +%T) skip $name" >> "$dir/steps.log"; return 0
+  fi
   echo "$(date -u +%T) start $name: $*" >> "$dir/steps.log"
   "$@" > "$dir/$name.log" 2>&1
   local rc=$?
@@ -36,7 +44,7 @@ step() {  # step NAME COMMAND...: run it, log it, keep its records
   return $rc
 }
 b=validate/data/breakages
-gpu=$(python3 -c 'import torch;print(torch.cuda.get_device_name(0).lower().split()[-1])')
+gpu=$(python3 -c 'import torch;from validate.device_class import of_gpu_name as f;print(f(torch.cuda.get_device_name(0)))')
 fp8=validate/data/goldens/tiny-fp8-$gpu-tp1.json
 attn="$dir/tiny-fp8-attn-$gpu-tp1.json"
 step quantize python3 -m validate.quantize --variant target-fp8
@@ -51,18 +59,18 @@ if [ $? = 2 ]; then  # this host's pair is not the golden's: calibrate it here
   step fp8-clean python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$fp8" \
     --run-dir runs/fp8-clean
 fi
-step fp8-compare-moe-scales python3 -m validate compare --profile tiny-fp8 --tp 1 \
-  --baseline-golden "$fp8" --vllm-patch "$b/fp8-moe-shard-scales-swapped.patch" \
-  --run-dir runs/fp8-compare-moe-scales
 step fp8-draft-target-quant-config python3 -m validate rehearse --profile tiny-fp8 --tp 1 \
   --golden "$fp8" --reference golden --vllm-patch "$b/draft-target-quant-config.patch" \
   --run-dir runs/fp8-draft-target-quant-config
+step fp8-compare-moe-scales python3 -m validate compare --profile tiny-fp8 --tp 1 \
+  --baseline-golden "$fp8" --vllm-patch "$b/fp8-moe-shard-scales-swapped.patch" \
+  --run-dir runs/fp8-compare-moe-scales
 step cal-attn python3 -m validate calibrate --profile tiny-fp8-attn --tp 1 --runs 3 \
   --run-dir runs/cal-attn --out "$attn"
-step attn-clean python3 -m validate rehearse --profile tiny-fp8-attn --tp 1 --golden "$attn" \
-  --run-dir runs/attn-clean
 step attn-qk-scales python3 -m validate rehearse --profile tiny-fp8-attn --tp 1 --golden "$attn" \
   --reference golden --vllm-patch "$b/fp8-qk-scales-not-permuted.patch" --run-dir runs/attn-qk-scales
+step attn-clean python3 -m validate rehearse --profile tiny-fp8-attn --tp 1 --golden "$attn" \
+  --run-dir runs/attn-clean
 step fp8-qk-scales-control python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$fp8" \
   --reference golden --vllm-patch "$b/fp8-qk-scales-not-permuted.patch" \
   --run-dir runs/fp8-qk-scales-control

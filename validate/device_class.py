@@ -37,5 +37,11 @@ def cpu() -> str:
 
 
 def of_gpu_name(name: str) -> str:
-    """``NVIDIA H200`` -> ``h200``: the model, without vendor or form factor words."""
-    return "".join(c for c in name.lower().split()[-1] if c.isalnum()) if name.split() else "gpu"
+    """``NVIDIA H200`` -> ``h200``, ``NVIDIA H100 80GB HBM3`` -> ``h100``, ``NVIDIA A100-SXM4-80GB``
+    -> ``a100``: the model, without vendor, memory or form-factor words (the first word that mixes
+    letters and digits and is not a memory size; else the last word)."""
+    words = [w.split("-")[0] for w in name.lower().split()]
+    model = next((w for w in words if any(c.isalpha() for c in w) and any(c.isdigit() for c in w)
+                  and not w.endswith("gb")), words[-1] if words else "gpu")
+    return "".join(c for c in model if c.isalnum()) or "gpu"
+
