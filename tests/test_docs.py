@@ -20,7 +20,8 @@ from validate import cli, contract
 PIPELINE = ROOT / ".buildkite" / "pipeline.yml"
 SESSION_TO_COMMAND = {"rehearse_tp8": "rehearse", "validate_tp8": "validate", "fetch": "fetch",
                       "lock": "lock", "refresh_pins": "refresh-pins", "compare": "compare",
-                      "sensitivity": "sensitivity", "lock_requirements": "lock-requirements"}
+                      "sensitivity": "sensitivity", "lock_requirements": "lock-requirements",
+                      "bench_tp8": "bench", "rehearse_bench": "bench"}
 
 
 def _check_jsonschema(path: Path) -> subprocess.CompletedProcess[str]:

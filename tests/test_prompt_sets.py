@@ -61,6 +61,13 @@ def test_a_changed_prompt_file_is_refused_with_exit_7_naming_it(tmp_path: Path) 
     assert r.returncode == 7, (r.returncode, out[-2000:])
     assert "mt-bench.jsonl has sha256" in out and "git checkout --" in out, out[-2000:]
     assert "Traceback" not in out, out[-2000:]
+    # the serving bench refuses it too, before any server starts or any run folder is made
+    r = subprocess.run([sys.executable, "-m", "validate", "bench", "--run-dir",
+                        str(tmp_path / "run")], cwd=kit, env={**os.environ, "PYTHONPATH": str(kit)},
+                       capture_output=True, text=True, timeout=300, check=False)
+    out = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode == 7 and "mt-bench.jsonl has sha256" in out, (r.returncode, out[-2000:])
+    assert not (tmp_path / "run").exists()
 
 
 def test_refresh_refuses_a_replaced_release(tmp_path: Path) -> None:

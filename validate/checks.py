@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from validate import compat, device_class, goldens, profiles
+from validate import compat, device_class, goldens, profiles, prompt_sets, request
 from validate.contract import BadInput
 
 
@@ -37,3 +37,31 @@ def models(profile: profiles.Profile, target: str, draft: str,
         Path(target), profile.tensor_parallel_size)
     if problems:
         raise BadInput(f"{refused}:\n  - " + "\n  - ".join(problems))
+
+
+def serving(req: request.Run) -> None:
+    """The serving bench's request: a profile with a bench set whose file is its pinned bytes
+    (exit 7 otherwise, naming the file), a live reference, a sweep that can run; said before a
+    download, a build or a server start."""
+    if req.path != "serving":
+        return
+    profile = req.profile
+    if not profile.bench_set:
+        raise BadInput(f"profile {profile.name} names no bench_set (validate/data/profiles.toml); "
+                       f"bench one that does: "
+                       f"{', '.join(n for n in profiles.names() if profiles.get(n).bench_set)}")
+    if req.full or req.reference == "golden" or req.golden not in (None, "auto", "none"):
+        raise BadInput("bench runs both servers and judges against the profile's floor (the "
+                       "serving path has no golden yet): drop --full, --reference golden and "
+                       "--golden FILE")
+    if req.repeats is not None and req.repeats < 1:
+        raise BadInput(f"--repeats {req.repeats}: each sweep point runs at least once")
+    if req.concurrency is not None:
+        try:
+            values = [int(v) for v in req.concurrency.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise BadInput(f"--concurrency {req.concurrency}: give concurrencies of 1 or more, "
+                           "comma-separated (e.g. 1,4,16,64)")
+    prompt_sets.load(profile.bench_set)  # prompt_sets.Mismatch: exit 7, naming the file

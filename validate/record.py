@@ -283,11 +283,56 @@ def summary_md(data: dict[str, Any]) -> str:
                     f"{d['gap']:.3f}"
                 lines.append(f"| {d['index']} | {d['position']} | {d['reference_token']} | "
                              f"{d['speculative_token']} | {gap} | {d['kind']} |")
+    lines += bench_md(data.get("bench"))
     if data["phases"]:
         lines += ["", "## Phases", "", "| phase | status | seconds |", "| --- | --- | --- |"]
         for name, p in data["phases"].items():
             lines.append(f"| {name} | {p['status']} | {p.get('seconds', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def _fig(row: dict[str, Any], fig: str, fmt: str) -> str:
+    if fig not in row:
+        return "failed"
+    return f"{row[fig]:{fmt}} ±{row.get(fig + '_spread', 0):.0%}"
+
+
+def bench_md(bench: dict[str, Any] | None) -> list[str]:
+    """The serving bench's table (medians over the repeats, ± their spread: (max - min) /
+    median), acceptance per category, the failed points, the plot."""
+    if not bench:
+        return []
+    lines = ["", "## Serving bench", "",
+             f"`vllm bench serve` on {bench['prompts']} prompts of `{bench['set']}`, "
+             f"{bench['output_len']} tokens an answer, {bench['repeats']} repeats a point; the "
+             "figures are medians ± the spread between repeats (max - min over the median).", "",
+             "| concurrency | output tok/s reference | output tok/s speculative | speed-up | "
+             "TPOT ms reference | TPOT ms speculative | TTFT ms speculative | acceptance length |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in bench["summary"]:
+        ref, spec = row["reference"], row["speculative"]
+        lines.append(f"| {row['concurrency']} | {_fig(ref, 'output_throughput', '.1f')} | "
+                     f"{_fig(spec, 'output_throughput', '.1f')} | "
+                     f"{row.get('speedup', 'n/a')}{'x' if 'speedup' in row else ''} | "
+                     f"{_fig(ref, 'median_tpot_ms', '.1f')} | {_fig(spec, 'median_tpot_ms', '.1f')} "
+                     f"| {_fig(spec, 'median_ttft_ms', '.0f')} | "
+                     f"{row.get('acceptance_length', 'n/a')} |")
+    if bench["categories"]:
+        lines += ["", f"Acceptance per `{bench['set']}` category (greedy chats):", "",
+                  "| category | prompts | mean acceptance length | per position |",
+                  "| --- | --- | --- | --- |"]
+        for name, c in bench["categories"].items():
+            lines.append(f"| {name} | {c['prompts']} | {c['mean_acceptance_length']:.2f} | "
+                         f"{', '.join(f'{r:.2f}' for r in c['per_position_rate'])} |")
+    failed = [p for p in bench["points"] if "failed" in p]
+    lines += [f"- failed point: {p['server']} at concurrency {p['concurrency']}, repeat "
+              f"{p['repeat']}: {p['failed'][:300]}" for p in failed]
+    if bench.get("left_out"):
+        lines.append(f"- left out (longer than the context with an answer): "
+                     f"{', '.join(bench['left_out'])}")
+    if bench.get("plot"):
+        lines += ["", f"![speed-up and acceptance]({bench['plot']})"]
+    return lines
 
 
 def reproduce_md(data: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ def rehearse(req: request.Run) -> tuple[RunRecord | None, Exit]:
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}; "
                   f"TP={profile.tensor_parallel_size}")
     checks.golden(req.golden, profile)
+    checks.serving(req)
     if req.full:
         return rehearse_full(req)
     # before anything is generated or started: a change that cannot work is refused here (in a

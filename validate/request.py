@@ -91,6 +91,9 @@ class Run:
     image: Image = Image()
     weights: Weights = Weights()
     change: Change = Change()
+    path: str = "offline"  # bench: "serving" (two `vllm serve` servers and the sweep)
+    concurrency: str | None = None  # bench: the sweep's concurrencies, as given ("1,4")
+    repeats: int | None = None  # bench: repeats per sweep point
     vllm_under_test: Any = None  # vllm_change.VllmUnderTest, once the overlay is made here
 
     def but(self, **changes: Any) -> Run:
@@ -128,7 +131,7 @@ def of(args: argparse.Namespace) -> Run:
                       max_tokens=get("max_tokens"), target=get("target_repo"),
                       draft=get("draft_repo"))
     command = get("command") or "rehearse"
-    if command == "rehearse":
+    if command == "rehearse" or (command == "bench" and profile.generated):
         container = bool(get("container"))
     else:  # validate runs in the pinned image unless told; calibrate does so for hub models
         container = not get("no_container") and (command != "calibrate" or not profile.generated)
@@ -140,7 +143,9 @@ def of(args: argparse.Namespace) -> Run:
                            get("build_network"), get("timeout") or 7200),
                weights=Weights(Path(get("lock_file") or weights_lock.default_path()),
                                get("cache_dir"), get("local_dir"), bool(get("offline"))),
-               change=Change(get("vllm_patch"), get("vllm_source"), get("vllm_wheel")))
+               change=Change(get("vllm_patch"), get("vllm_source"), get("vllm_wheel")),
+               path="serving" if command == "bench" else "offline",
+               concurrency=get("concurrency"), repeats=get("repeats"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +199,20 @@ def add_change(p: argparse.ArgumentParser, required: bool = False) -> None:
                    "on the installed build (a change to compiled code is refused)")
     x.add_argument("--vllm-wheel", default=None, metavar="PATH",
                    help="a vLLM wheel built elsewhere, for this Python and platform")
+
+
+def add_bench(p: argparse.ArgumentParser) -> None:
+    """bench: the serving path's sweep, and what a run takes (hub profiles: in the pinned image,
+    their weights fetched; a generated pair: here)."""
+    g = p.add_argument_group("serving bench")
+    for flag, kwargs in contract.options(("--concurrency", "--repeats")):
+        g.add_argument(flag, **kwargs)
+    g.add_argument("--no-container", action="store_true",
+                   help="hub profiles: run on this host (an environment with vLLM)")
+    add_repos(p)
+    add_change(p)
+    add_weights(p)
+    add_run(p)
 
 
 def add_suite(p: argparse.ArgumentParser) -> None:
