@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The FP8 targets on one GPU (vLLM 0.25.0's defaults: torch.compile + CUDA graphs), in one go:
+# The FP8 targets on one GPU (vLLM 0.25.0's defaults: torch.compile + CUDA graphs), in one go,
+# and tiny-cuda's serving bench (step bench-cuda: the full sweep, 3 repeats, the plot; it needs
+# uvicorn and python-multipart beside loguru in .whl/extra):
 #   tiny-fp8 (Maverick's format): a clean run judged by its committed golden (calibrated again
 #     only if this host's pair has other weights), each quantized-path breakage against it,
 #     `compare` against that golden (a breakage: REGRESSION; a comment-only change: OK);
@@ -40,7 +42,7 @@ step() {  # step NAME COMMAND...: run it, log it, keep its records
     cp "$(dirname "$rec")"/summary.md "$dir/$sub/" 2>/dev/null
     python3 -c "import json,sys;r=json.load(open(sys.argv[1]));[r.pop(k,None) for k in ('outputs','reference_outputs','raw_counters')];json.dump(r,open(sys.argv[2],'w'),indent=1)" "$rec" "$dir/$sub/record.json"
   done
-  cp runs/"$name"/compare.md "$dir/$name/" 2>/dev/null
+  cp runs/"$name"/compare.md runs/"$name"/*.png "$dir/$name/" 2>/dev/null
   return $rc
 }
 b=validate/data/breakages
@@ -48,6 +50,7 @@ gpu=$(python3 -c 'import torch;from validate.device_class import of_gpu_name as 
 fp8=validate/data/goldens/tiny-fp8-$gpu-tp1.json
 attn="$dir/tiny-fp8-attn-$gpu-tp1.json"
 step quantize python3 -m validate.quantize --variant target-fp8
+step bench-cuda python3 -m validate bench --profile tiny-cuda --tp 1 --run-dir runs/bench-cuda
 step quantize-attn python3 -m validate.quantize --variant target-fp8-attn
 step fp8-clean python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$fp8" \
   --run-dir runs/fp8-clean

@@ -54,14 +54,4 @@ def serving(req: request.Run) -> None:
         raise BadInput("bench runs both servers and judges against the profile's floor (the "
                        "serving path has no golden yet): drop --full, --reference golden and "
                        "--golden FILE")
-    if req.repeats is not None and req.repeats < 1:
-        raise BadInput(f"--repeats {req.repeats}: each sweep point runs at least once")
-    if req.concurrency is not None:
-        try:
-            values = [int(v) for v in req.concurrency.split(",")]
-        except ValueError:
-            values = []
-        if not values or min(values) < 1:
-            raise BadInput(f"--concurrency {req.concurrency}: give concurrencies of 1 or more, "
-                           "comma-separated (e.g. 1,4,16,64)")
     prompt_sets.load(profile.bench_set)  # prompt_sets.Mismatch: exit 7, naming the file

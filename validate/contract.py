@@ -10,6 +10,7 @@ side can read it without pulling in the other.
 
 from __future__ import annotations
 
+import argparse
 import enum
 from collections.abc import Iterable
 from pathlib import Path
@@ -186,6 +187,30 @@ def _check_bench(bench: Any, where: Path | str) -> None:
 # the end-to-end script's options (host: command line; engine: pytest options)
 
 
+def concurrency_list(given: str) -> tuple[int, ...]:
+    """``--concurrency 1,4,16``: the sweep's concurrencies, each 1 or more (an argparse type, so
+    the host's command line and the script's pytest option refuse the same values the same way)."""
+    try:
+        values = tuple(int(v) for v in given.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency {given}: give concurrencies of 1 or more, "
+                                         "comma-separated (e.g. 1,4,16,64)")
+    return values
+
+
+def repeat_count(given: str) -> int:
+    """``--repeats N``: runs per sweep point, 1 or more (an argparse type)."""
+    try:
+        value = int(given)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--repeats {given}: each sweep point runs at least once")
+    return value
+
+
 # (flag, pytest/argparse keywords). Values the host always passes have no default here.
 E2E_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--profile", {"action": "append", "default": None,
@@ -207,10 +232,10 @@ E2E_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--path", {"choices": ("offline", "serving"), "default": "offline",
                 "help": "offline: the engines through LLM.chat; serving: two `vllm serve` servers, "
                         "the verdict on their greedy chats, then the bench sweep (vllm bench serve)"}),
-    ("--concurrency", {"default": None,
+    ("--concurrency", {"type": concurrency_list, "default": None,
                        "help": "serving: the sweep's concurrencies, comma-separated (default: the "
                                "profile's bench_concurrency)"}),
-    ("--repeats", {"type": int, "default": None,
+    ("--repeats", {"type": repeat_count, "default": None,
                    "help": "serving: repeats per sweep point (default: the profile's bench_repeats)"}),
     ("--run-id", {"default": None,
                   "help": "the id the host chose for this run, written into the record (the host "
@@ -229,6 +254,8 @@ def e2e_argv(values: dict[str, Any]) -> list[str]:
     argv: list[str] = []
     for flag in E2E_FLAGS:
         value = values.get(flag)
+        if isinstance(value, tuple | list):
+            value = ",".join(str(v) for v in value)
         if value is not None:
             argv += [flag, str(value)]
     return argv

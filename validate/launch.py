@@ -236,7 +236,12 @@ def finish(host: RunRecord, how: str, interrupted: bool = False) -> tuple[RunRec
     if isinstance(rec.data.get("bench"), dict):  # the serving bench's plot, drawn here
         from validate import bench_plot
 
-        rec.data["bench"]["plot"] = bench_plot.write(rec.dir, rec.data["bench"])
+        try:
+            rec.data["bench"]["plot"] = bench_plot.write(rec.dir, rec.data["bench"])
+        except Exception as exc:  # a report that cannot be drawn must not cost the verdict
+            console.print(f"[yellow]warning[/]: the bench plot could not be drawn ({exc}); the "
+                          "figures are in record.json and summary.md")
+            rec.data["bench"]["plot"] = None
     try:
         rec.update(invocation={"argv": invocation(), "kit_commit": build.git_commit(),
                                "kit_version": build.kit_version()},

@@ -92,7 +92,7 @@ class Run:
     weights: Weights = Weights()
     change: Change = Change()
     path: str = "offline"  # bench: "serving" (two `vllm serve` servers and the sweep)
-    concurrency: str | None = None  # bench: the sweep's concurrencies, as given ("1,4")
+    concurrency: tuple[int, ...] | None = None  # bench: the sweep's concurrencies
     repeats: int | None = None  # bench: repeats per sweep point
     vllm_under_test: Any = None  # vllm_change.VllmUnderTest, once the overlay is made here
 

@@ -224,8 +224,9 @@ def _by_category(server: Server, prompts: list[prompt_sets.Prompt], profile: Pro
     return out
 
 
-def run(profile: Profile, target: str, draft: str, chats: list[list[dict[str, Any]]],
-        run_dir: Path, phase: Phase, concurrency: tuple[int, ...], repeats: int
+def run(profile: Profile, target: str, speculative: dict[str, Any],
+        chats: list[list[dict[str, Any]]], run_dir: Path, phase: Phase,
+        concurrency: tuple[int, ...], repeats: int
         ) -> tuple[list[Output], list[Output], dict[str, Any], dict[str, Any]]:
     """Both servers, one after the other: (reference outputs, speculative outputs, the
     speculative server's counters over the verdict's chats, the record's ``bench`` section)."""
@@ -233,8 +234,6 @@ def run(profile: Profile, target: str, draft: str, chats: list[list[dict[str, An
     folder.mkdir(parents=True, exist_ok=True)
     prompts, left_out = bench_prompts(profile, fits_context(profile, target))
     dataset = dataset_file(prompts, folder / f"{profile.bench_set}.jsonl")
-    speculative = {"method": "eagle", "model": draft,
-                   "num_speculative_tokens": profile.num_speculative_tokens}
     points: list[dict[str, Any]] = []
     outputs: dict[str, list[Output]] = {}
     counters: dict[str, Any] = {}

@@ -17,6 +17,7 @@ from vLLM's own benchmark client, never from here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -62,6 +63,15 @@ def server_args(profile: Profile, model: str, speculative: dict[str, Any] | None
     if speculative:
         args.append(f"--speculative-config={json.dumps(speculative, sort_keys=True)}")
     return args
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before vLLM starts: SIGTERM it when this script dies, however it
+    dies (its own session keeps it out of the host's reach, and a script killed with SIGKILL runs
+    no cleanup; vLLM's server stops its engine on SIGTERM). Linux's prctl(PR_SET_PDEATHSIG):
+    no library wraps it, so ctypes."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -121,7 +131,8 @@ class Server:
         with open(self.log, "ab") as out:
             # Its own process group, so that stop() reaches the engine core and TP workers too.
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env=os.environ.copy())
+                                         start_new_session=True, env=os.environ.copy(),
+                                         preexec_fn=_die_with_parent)
         started = time.monotonic()
         said = started
         while True:

@@ -136,19 +136,6 @@ def _goldens(profile: profiles.Profile, option: str, environment: dict[str, Any]
     return golden, why, tp1, why1
 
 
-def _concurrency(given: str | None, profile: profiles.Profile) -> tuple[int, ...]:
-    if not given:
-        return profile.bench_concurrency
-    try:
-        values = tuple(int(v) for v in given.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise contract.BadInput(f"--concurrency {given}: give concurrencies of 1 or more, "
-                                "comma-separated (e.g. 1,4,16,64)")
-    return values
-
-
 def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> None:
     opt = request.config.getoption
     profile = profiles.get(profile_name).with_overrides(
@@ -185,13 +172,12 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
                 # until a golden is calibrated for it (`nox -s calibrate` does the offline path).
                 golden, why, tp1, why1 = None, "the serving path has no calibrated golden yet", \
                     None, ""
-                concurrency, repeats = _concurrency(opt("--concurrency"), profile), \
-                    opt("--repeats") or profile.bench_repeats
-                if not profile.bench_set or reference == "golden" or repeats < 1:
+                concurrency = opt("--concurrency") or profile.bench_concurrency
+                repeats = opt("--repeats") or profile.bench_repeats
+                if not profile.bench_set or reference == "golden":
                     raise contract.BadInput(
                         f"--path serving needs a profile with a bench_set (profile "
-                        f"{profile.name}: {profile.bench_set or 'none'}), --reference live and "
-                        f"--repeats of 1 or more")
+                        f"{profile.name}: {profile.bench_set or 'none'}) and --reference live")
             else:
                 golden, why, tp1, why1 = _goldens(profile, opt("--golden"), env, models)
             rec.update(golden={"applied": golden is not None, "why": why,
@@ -202,13 +188,16 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
                                         f"{why}; or run with --reference live")
 
         chats = prompts.chat_prompts(profile.prompt_set, profile.num_prompts)
+        speculative = {"method": "eagle", "model": draft,
+                       "num_speculative_tokens": profile.num_speculative_tokens}
         texts = [c[0]["content"] for c in chats]
         t0 = time.monotonic()
         if serving:
             from validate.e2e import bench
 
             ref_outputs, spec_outputs, counters, section = bench.run(
-                profile, target, draft, chats, Path(run_dir), rec.phase, concurrency, repeats)
+                profile, target, speculative, chats, Path(run_dir), rec.phase, concurrency,
+                repeats)
             spec = engines.EngineRun(outputs=spec_outputs, counters=counters)
             rec.update(path="serving", bench=section)
             bench.require_figures(section, Path(run_dir) / "bench")
@@ -219,11 +208,8 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
             ref_outputs = engines.run_engine(profile, target, chats, None, rec.phase,
                                              "reference").outputs
         if not serving:
-            spec = engines.run_engine(
-                profile, target, chats,
-                {"method": "eagle", "model": draft,
-                 "num_speculative_tokens": profile.num_speculative_tokens},
-                rec.phase, "speculative")
+            spec = engines.run_engine(profile, target, chats, speculative, rec.phase,
+                                      "speculative")
         engines.log(f"engines done in {time.monotonic() - t0:.1f}s")
 
         cmp = metrics.judge_outputs(ref_outputs, spec.outputs,
