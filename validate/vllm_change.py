@@ -17,6 +17,7 @@ H200: a breaking change took no effect because the cache of the clean run served
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -270,7 +271,15 @@ def from_patch(patch: Path, python: str) -> VllmUnderTest:
 
 def cache_env(change: VllmUnderTest) -> dict[str, str]:
     """The engine side's environment for ``change``: the overlay first on the import path, and
-    vLLM's and inductor's caches in a folder of its own."""
+    vLLM's and inductor's caches in a folder of its own (compiled graphs of another vLLM must never
+    be reused), seeded with the release's model-class inspections (``modelinfos``: each entry
+    carries the hash of its model file, so vLLM inspects again the classes a change touched; the
+    others would cost a subprocess of about 15 s each, target and head, in every run)."""
+    seeded = Path(change.cache_root) / "modelinfos"
+    release = state_dir() / "vllm-cache" / f"release-{change.base_version}" / "modelinfos"
+    if change.kind != "release" and not seeded.exists() and release.is_dir():
+        with contextlib.suppress(OSError):  # a cold cache is only slower
+            shutil.copytree(release, seeded)
     env = {"VLLM_CACHE_ROOT": change.cache_root,
            "TORCHINDUCTOR_CACHE_DIR": str(Path(change.cache_root) / "inductor")}
     if change.overlay:
@@ -341,11 +350,14 @@ def _mirror(package: Path, overlay: Path, change: Any, meta: dict[str, object]) 
     ``change(tree)``; made in a temporary folder and moved into place whole."""
     def fill(tmp: Path) -> None:
         for src in package.rglob("*"):
-            if "__pycache__" in src.parts or src.is_dir():
+            if src.is_dir():
                 continue
             dst = tmp / "vllm" / src.relative_to(package)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            if src.suffix == ".py":
+            if src.suffix in (".py", ".pyc"):
+                # Copied with their times, so the release's bytecode stays valid for every file the
+                # change leaves alone (Python checks a .pyc against its source's mtime and size)
+                # and each engine process does not compile vLLM again; a changed file's is stale.
                 shutil.copy2(src, dst)
             else:  # compiled kernels, data: the release's own files
                 dst.symlink_to(src.resolve())
