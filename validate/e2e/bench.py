@@ -17,6 +17,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -145,6 +146,10 @@ def sweep(server: Server, label: str, dataset: Path, num_prompts: int, output_le
     with open(log, "ab") as err:
         proc = subprocess.Popen([sys.executable, "-m", "validate.e2e.bench_client",
                                  str(plan_file)], stdout=subprocess.PIPE, stderr=err, text=True)
+    # A client that hangs is ended (an hour a point, as each point had when it was a process of
+    # its own); the points it never reported are then recorded as failed.
+    watchdog = threading.Timer(3600.0 * len(plan), proc.kill)
+    watchdog.start()
     try:
         assert proc.stdout is not None
         for (c, r, result), line in zip(plan, proc.stdout, strict=False):
@@ -156,6 +161,7 @@ def sweep(server: Server, label: str, dataset: Path, num_prompts: int, output_le
                         f"({point['wall_s']:.0f} s)")
         code = proc.wait()
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
