@@ -2,7 +2,7 @@
 # The FP8 targets on one GPU (vLLM 0.25.0's defaults: torch.compile + CUDA graphs), in one go,
 # and tiny-cuda's serving bench (step bench-cuda: the full sweep, 3 repeats, the plot; vLLM's
 # OpenAI server needs uvicorn, python-multipart, model-hosting-container-standards, jmespath and
-# supervisor beside loguru in .whl/extra: docs/evidence/h200-bench/README.md):
+# supervisor beside loguru in .whl/extra: docs/evidence/gpu-bench/README.md):
 #   tiny-fp8 (Maverick's format): a clean run judged by its committed golden (calibrated again
 #     only if this host's pair has other weights), each quantized-path breakage against it,
 #     `compare` against that golden (a breakage: REGRESSION; a comment-only change: OK);
