@@ -77,6 +77,15 @@ def rehearse_tp8(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def rehearse_multinode(session: nox.Session) -> None:
+    """The validation across two nodes, rehearsed: two containers of the CPU image on a bridge
+    network, a Ray head and a worker, the tiny pair at TP=2 across them (docs/multi-node.md).
+    Needs a Docker engine (DOCKER_HOST); image options after --."""
+    session.run(engine_python(session), "-m", "validate", "rehearse", "--profile", "tiny-2node",
+                "--container", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def calibrate(session: nox.Session) -> None:
     """Run a profile N times and write its golden to validate/data/goldens/ (default: tiny, 5 runs).
 

@@ -83,3 +83,18 @@ def stop(pidfile: Path, timeout_s: float = 30) -> None:
         time.sleep(0.2)
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
+
+
+def wait_for_phase(run: Path, proc: subprocess.Popen[str], phase: str,
+                   timeout: float = 900) -> None:
+    """Until the engine side's record in ``run`` has entered ``phase`` (the kit still running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if phase in json.loads((run / "record.json").read_text())["phases"]:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else proc.returncode
+        time.sleep(0.5)
+    raise AssertionError(f"no {phase} phase in {run}/record.json after {timeout:.0f} s")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import docker, image_args, push
+from helpers import docker, image_args, push, wait_for_phase
 
 from validate import build, cli, containers, request
 from validate.contract import Exit
@@ -159,15 +159,7 @@ def test_interrupted_130_during_a_container_run(docker_host: str, base_image: st
     proc = subprocess.Popen([sys.executable, "-m", "validate", "rehearse", "--container", "--tp", "2",
                              "--num-prompts", "10", "--run-dir", str(run), *image_args(base_image)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:  # the engine side's record says its engine is starting
-        try:
-            if "reference_engine_start" in json.loads((run / "record.json").read_text())["phases"]:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.5)
+    wait_for_phase(run, proc, "reference_engine_start")  # the engine side's record says so
     time.sleep(5)
     assert docker(docker_host, "ps", "-q").strip(), "the container runs"
     proc.send_signal(sig)

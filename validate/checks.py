@@ -55,3 +55,22 @@ def serving(req: request.Run) -> None:
                        "serving path has no golden yet): drop --full, --reference golden and "
                        "--golden FILE")
     prompt_sets.load(profile.bench_set)  # prompt_sets.Mismatch: exit 7, naming the file
+
+
+def nodes(req: request.Run) -> None:
+    """A profile beyond one node: on CPU its nodes are containers the kit starts (``--container``);
+    the serving bench spans one node only (for now)."""
+    profile = req.profile
+    if profile.nodes == 1:
+        return
+    if req.path == "serving":
+        raise BadInput(f"the serving bench runs on one node; profile {profile.name} spans "
+                       f"{profile.nodes}: bench a one-node profile")
+    if profile.device == "cpu" and not req.container:
+        raise BadInput(f"profile {profile.name} spans {profile.nodes} nodes: rehearse it with "
+                       f"--container (one container a node, a Ray cluster across them): "
+                       f"`python -m validate rehearse --profile {profile.name} --container`")
+    if profile.device == "cuda" and req.container:
+        raise BadInput(f"profile {profile.name} spans {profile.nodes} GPU machines: start the "
+                       "pinned image with a Ray node on each, then run the kit inside the head's "
+                       "container with --no-container (docs/multi-node.md)")

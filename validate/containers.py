@@ -367,20 +367,43 @@ class Engine:
         finally:
             shutil.rmtree(ctx, ignore_errors=True)
 
-    def run(self, tag: str, command: list[str], *, mounts: dict[str, tuple[str, str]],
-            environment: dict[str, str], gpus: int = 0, timeout_s: float = 7200,
-            network: str = "none", user: str | None = None,
-            log: Callable[[str], None] = print) -> RunResult:
-        """Run ``command`` in ``tag`` as ``user`` (default: the invoking user); stream its logs;
-        remove the container whatever happens (Ctrl-C and SIGTERM included)."""
-        import docker
-        from docker.types import DeviceRequest, Ulimit
-
-        user = user or invoking_user()
+    @staticmethod
+    def _create_args(command: list[str], environment: dict[str, str], network: str, user: str,
+                     mounts: dict[str, tuple[str, str]], name: str | None) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
             command=command, environment=environment, network_mode=network, user=user,
             volumes={host: {"bind": dst, "mode": mode} for host, (dst, mode) in mounts.items()},
         )
+        if name:
+            kwargs.update(name=name, hostname=name)
+        return kwargs
+
+    def start_detached(self, tag: str, command: list[str], *, name: str, network: str,
+                       mounts: dict[str, tuple[str, str]], environment: dict[str, str],
+                       user: str) -> Any:
+        """Start a CPU container that runs on its own (a cluster's worker node); the caller
+        removes it. Same mounts, user and shared memory as ``run``."""
+        kwargs = self._create_args(command, environment, network, user, mounts, name)
+        container = self.client.containers.create(tag, shm_size=CPU_SHM_BYTES, **kwargs)
+        try:
+            container.start()
+        except BaseException:
+            container.remove(force=True)
+            raise
+        return container
+
+    def run(self, tag: str, command: list[str], *, mounts: dict[str, tuple[str, str]],
+            environment: dict[str, str], gpus: int = 0, timeout_s: float = 7200,
+            network: str = "none", user: str | None = None, name: str | None = None,
+            log: Callable[[str], None] = print) -> RunResult:
+        """Run ``command`` in ``tag`` as ``user`` (default: the invoking user); stream its logs;
+        remove the container whatever happens (Ctrl-C and SIGTERM included). ``name``: the
+        container's name and hostname (a node of ``validate.cluster`` on its network)."""
+        import docker
+        from docker.types import DeviceRequest, Ulimit
+
+        user = user or invoking_user()
+        kwargs = self._create_args(command, environment, network, user, mounts, name)
         if not gpus:
             kwargs["shm_size"] = CPU_SHM_BYTES
         else:

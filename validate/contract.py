@@ -216,6 +216,8 @@ E2E_OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--profile", {"action": "append", "default": None,
                    "help": "profile name from validate/data/profiles.toml (repeatable; default: tiny)"}),
     ("--tp", {"type": int, "default": None, "help": "tensor parallel size (default: the profile's)"}),
+    ("--pp", {"type": int, "default": None, "help": "pipeline parallel size (default: the profile's)"}),
+    ("--nodes", {"type": int, "default": None, "help": "nodes the engines span (default: the profile's)"}),
     ("--target", {"default": None, "help": "target model folder (default: from the profile)"}),
     ("--draft", {"default": None, "help": "EAGLE head folder (default: from the profile)"}),
     ("--run-dir", {"type": Path, "default": None,

@@ -10,6 +10,7 @@ leaves a record that says which.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -97,7 +98,8 @@ def new_run(req: request.Run) -> RunRecord:
 def _e2e_values(req: request.Run, target: str, draft: str, run_dir: str,
                 run_id: str) -> dict[str, Any]:
     profile = req.profile
-    return {"--profile": profile.name, "--tp": profile.tensor_parallel_size, "--target": target,
+    return {"--profile": profile.name, "--tp": profile.tensor_parallel_size,
+            "--pp": profile.pipeline_parallel_size, "--nodes": profile.nodes, "--target": target,
             "--draft": draft, "--run-dir": run_dir, "--num-prompts": profile.num_prompts,
             "--max-tokens": profile.max_tokens, "--golden": req.golden,
             "--reference": req.reference, "--run-id": run_id,
@@ -154,7 +156,7 @@ def in_container(rec: RunRecord, req: request.Run, target: str, draft: str) -> s
     """Build the profile's image (skipped when its inputs are unchanged) and run the end-to-end
     script in it with the container policy of ``containers`` (models read-only, the run folder
     writable, no network, no token)."""
-    from validate import containers
+    from validate import cluster, containers
 
     engine = containers.Engine()
     profile = req.profile
@@ -178,14 +180,30 @@ def in_container(rec: RunRecord, req: request.Run, target: str, draft: str) -> s
     argv = e2e_argv(_e2e_values(req, inside["target"], inside["draft"], containers.RUN_FOLDER,
                                 rec.data["run_id"]))
     rec.update(container={"image": tag, "base": base, "base_pinned": pinned, "exit_code": None})
-    try:
-        result = engine.run(tag, ["python3", "-m", "validate.e2e", *argv], mounts=mounts,
-                            environment=environment,
-                            gpus=profile.tensor_parallel_size if profile.device == "cuda" else 0,
-                            timeout_s=req.image.timeout,
-                            log=lambda line: console.print(line, markup=False))
-    except Exception as exc:  # the engine refused to start it (docker.errors.APIError, ...)
-        return f"the container did not run: {str(exc)[:600]}"
+    command = ["python3", "-m", "validate.e2e", *argv]
+    say = lambda line: console.print(line, markup=False)  # noqa: E731
+    with contextlib.ExitStack() as stack:
+        network, name, node = "none", None, None
+        if profile.nodes > 1:  # one container a node on a network of their own, Ray across them
+            environment["KIT_IMAGE_ID"] = engine.client.images.get(tag).id
+            try:
+                node = stack.enter_context(cluster.Cluster(
+                    engine, tag, profile.nodes, rec.data["run_id"], mounts=mounts,
+                    environment=environment, user=containers.invoking_user(),
+                    cpus=os.cpu_count() or 1, log=say))
+            except Exception as exc:  # no bridge network on this engine, ...
+                return f"the cluster's containers could not be started: {str(exc)[:600]}"
+            network, name, command = node.network, node.head, node.head_command(command)
+        try:
+            result = engine.run(tag, command, mounts=mounts, environment=environment,
+                                gpus=profile.tensor_parallel_size if profile.device == "cuda" else 0,
+                                timeout_s=req.image.timeout, network=network, name=name, log=say)
+        except Exception as exc:  # the engine refused to start it (docker.errors.APIError, ...)
+            return f"the container did not run: {str(exc)[:600]}"
+        if node is not None:
+            _merge(rec.dir, cluster=node.describe())
+            if node.lost:
+                return node.lost
     container = {"image": tag, "image_id": result.image_id, "base": base, "base_pinned": pinned,
                  "exit_code": result.exit_code, "timed_out": result.exit_code is None,
                  "user": result.user, "ipc": result.host_config["IpcMode"],

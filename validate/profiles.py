@@ -60,6 +60,13 @@ class Profile:
     bench_output_len: int = 256  # tokens per answer under load (every answer that long)
     bench_concurrency: tuple[int, ...] = (1, 4, 16, 64)
     bench_repeats: int = 3
+    # Beyond one node (issue 25): how many nodes the engines span and the pipeline parallel size
+    # (TP inside a node, PP across nodes, as vLLM's multi-node docs lay it out). On GPUs the
+    # engines use vLLM's Ray executor on the cluster the kit joins; vLLM's CPU build has neither
+    # Ray nor PP (docs/vllm-cpu-findings.md), so a CPU profile spans nodes with TP alone, through
+    # vLLM's own multi-node launcher (a headless vLLM on each other node, placed there by Ray).
+    nodes: int = 1
+    pipeline_parallel_size: int = 1
 
     @property
     def generated(self) -> bool:
@@ -83,7 +90,22 @@ class Profile:
         elif self.max_tokens >= self.max_model_len:
             out.append(f"--max-tokens {self.max_tokens} leaves no room for the prompt in the "
                        f"profile's max_model_len {self.max_model_len}")
+        if self.nodes < 1 or self.pipeline_parallel_size < 1:
+            out.append(f"--nodes {self.nodes} --pp {self.pipeline_parallel_size}: each is at "
+                       "least 1")
+        elif (self.tensor_parallel_size * self.pipeline_parallel_size) % self.nodes:
+            out.append(f"TP={self.tensor_parallel_size} x PP={self.pipeline_parallel_size} ranks "
+                       f"do not split evenly over {self.nodes} nodes")
+        elif self.device == "cpu" and self.pipeline_parallel_size > 1:
+            out.append(f"--pp {self.pipeline_parallel_size} on CPU: vLLM's CPU build fails on "
+                       "pipeline parallelism's first step (docs/vllm-cpu-findings.md); run PP on "
+                       "GPUs, or span nodes with TP alone (--pp 1)")
         return out
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The engine's ranks on each node (TP x PP over the nodes)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size // max(self.nodes, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

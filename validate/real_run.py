@@ -38,6 +38,7 @@ def validate(req: request.Run) -> tuple[RunRecord, Exit] | tuple[list[preflight.
     profile = req.profile
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}")
     checks.golden(req.golden, profile)
+    checks.nodes(req)
     checks.serving(req)
     vllm_change.precheck(req.change)  # before preflight, fetch or build: a change that cannot work
     if not req.container and (change := vllm_change.from_args(req.change, sys.executable)):

@@ -25,6 +25,7 @@ def rehearse(req: request.Run) -> tuple[RunRecord | None, Exit]:
     console.print(f"[bold]profile[/] {profile.name}: {profile.description}; "
                   f"TP={profile.tensor_parallel_size}")
     checks.golden(req.golden, profile)
+    checks.nodes(req)
     checks.serving(req)
     if req.full:
         return rehearse_full(req)

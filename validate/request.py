@@ -104,10 +104,11 @@ class Run:
         return [f"--{k}={v}" for k, v in self.sizes.items()]
 
 
-SIZES = ("tp", "num_prompts", "max_tokens")
+SIZES = ("tp", "pp", "nodes", "num_prompts", "max_tokens")
 
 
-def resolve(name: str, *, tp: int | None = None, num_prompts: int | None = None,
+def resolve(name: str, *, tp: int | None = None, pp: int | None = None,
+            nodes: int | None = None, num_prompts: int | None = None,
             max_tokens: int | None = None, target: str | None = None,
             draft: str | None = None) -> profiles.Profile:
     """The named profile with what the options change, refused (exit 2) if it cannot give a
@@ -116,7 +117,8 @@ def resolve(name: str, *, tp: int | None = None, num_prompts: int | None = None,
         profile = profiles.get(name)
     except profiles.UnknownProfile as exc:
         raise BadInput(str(exc)) from exc
-    profile = profile.with_overrides(tensor_parallel_size=tp, num_prompts=num_prompts,
+    profile = profile.with_overrides(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                     nodes=nodes, num_prompts=num_prompts,
                                      max_tokens=max_tokens, target=target, draft=draft)
     if problems := profile.problems():
         raise BadInput("; ".join(problems))
@@ -127,7 +129,8 @@ def of(args: argparse.Namespace) -> Run:
     """The namespace of a run command (rehearse, validate, calibrate, fetch, lock) as a ``Run``."""
     get = vars(args).get
     sizes = {k.replace("_", "-"): get(k) for k in SIZES if get(k) is not None}
-    profile = resolve(get("profile") or "tiny", tp=get("tp"), num_prompts=get("num_prompts"),
+    profile = resolve(get("profile") or "tiny", tp=get("tp"), pp=get("pp"), nodes=get("nodes"),
+                      num_prompts=get("num_prompts"),
                       max_tokens=get("max_tokens"), target=get("target_repo"),
                       draft=get("draft_repo"))
     command = get("command") or "rehearse"
@@ -155,6 +158,10 @@ def of(args: argparse.Namespace) -> Run:
 def add_profile(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--profile", default=default, help=f"one of: {', '.join(profiles.names())}")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: profile's)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline parallel size, across nodes (default: profile's)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="nodes the engines span (default: profile's; docs/multi-node.md)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
 

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from validate import contract
@@ -86,10 +87,10 @@ def prepare_process_env(profile: Profile) -> dict[str, str]:
     """Set what vLLM reads from the environment for this profile (unless the user set it)."""
     changes: dict[str, str] = {}
     if profile.device == "cpu":
-        if profile.tensor_parallel_size > 1:
+        if profile.ranks_per_node > 1:  # this node's ranks (all of them on one node)
             cores = len(os.sched_getaffinity(0))
             changes["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
-                profile.tensor_parallel_size, cores)
+                profile.ranks_per_node, cores)
         changes["VLLM_CPU_KVCACHE_SPACE"] = "1"
     changes = {k: v for k, v in changes.items() if k not in os.environ}
     os.environ.update(changes)
@@ -157,7 +158,10 @@ def log(msg: str) -> None:
     print(f"[e2e] {msg}", file=sys.stderr, flush=True)
 
 
-def start_engine(profile: Profile, model: str, speculative: dict[str, Any] | None) -> Any:
+def start_engine(profile: Profile, model: str, speculative: dict[str, Any] | None,
+                 beyond_one_node: dict[str, Any] | None = None) -> Any:
+    """``LLM(...)`` with the profile's settings; ``beyond_one_node``: what a multi-node engine
+    adds (``nodes.engine_kwargs`` and ``nodes.partners``' master address)."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
@@ -171,6 +175,7 @@ def start_engine(profile: Profile, model: str, speculative: dict[str, Any] | Non
     )
     if speculative:
         kwargs["speculative_config"] = speculative
+    kwargs.update(beyond_one_node or {})
     return LLM(**kwargs)
 
 
@@ -246,23 +251,38 @@ def _kill_engine_processes() -> None:
 
 
 def run_engine(profile: Profile, model: str, prompts: list[Any],
-               speculative: dict[str, Any] | None, phases: Any, label: str) -> EngineRun:
-    """Start, generate, read counters, shut down; each step timed as a phase of the record."""
+               speculative: dict[str, Any] | None, phases: Any, label: str,
+               run_dir: Path | None = None) -> EngineRun:
+    """Start, generate, read counters, shut down; each step timed as a phase of the record.
+    Beyond one node on CPU, the other nodes' share of the engine runs beside it (their logs in
+    ``run_dir``)."""
     log(f"{label} engine: starting {model} at TP={profile.tensor_parallel_size} "
         f"({'speculative ' + speculative['method'] if speculative else 'no speculation'})")
-    t = time.monotonic()
-    with phases(f"{label}_engine_start"):
-        llm = start_engine(profile, model, speculative)
-    start_s = time.monotonic() - t
-    log(f"{label} engine: started in {start_s:.1f}s; generating {len(prompts)} chats x "
-        f"{profile.max_tokens} tokens")
-    try:
+    from validate.e2e import nodes
+    from validate.e2e.serving import server_args
+
+    partner_env = {k: v for k, v in os.environ.items()
+                   if k.startswith(("VLLM_", "TORCHINDUCTOR_", "HF_"))}
+    with contextlib.ExitStack() as stack:
         t = time.monotonic()
-        with phases(f"{label}_generation"):
-            outputs = chat(llm, prompts, profile.max_tokens, profile.top_logprobs)
-        gen_s = time.monotonic() - t
-        counters = spec_counters(llm) if speculative else {}
-        log(f"{label} engine: generated in {gen_s:.1f}s")
-    finally:
-        shutdown(llm)
+        with phases(f"{label}_engine_start"):
+            limits = nodes.scheduler_limits(profile)  # the same on every node
+            group = stack.enter_context(nodes.partners(
+                profile, server_args(profile, model, speculative) + nodes.as_flags(limits),
+                partner_env, Path(run_dir or "/tmp"), label, on_lost=_kill_engine_processes))
+            llm = start_engine(profile, model, speculative,
+                               {**nodes.engine_kwargs(profile), **limits, **group.kwargs})
+        start_s = time.monotonic() - t
+        log(f"{label} engine: started in {start_s:.1f}s; generating {len(prompts)} chats x "
+            f"{profile.max_tokens} tokens")
+        try:
+            t = time.monotonic()
+            with phases(f"{label}_generation"):
+                outputs = chat(llm, prompts, profile.max_tokens, profile.top_logprobs)
+            gen_s = time.monotonic() - t
+            counters = spec_counters(llm) if speculative else {}
+            log(f"{label} engine: generated in {gen_s:.1f}s")
+        finally:
+            group.stop_watching()  # the other nodes' share ends with the engine: no loss
+            shutdown(llm)
     return EngineRun(outputs=outputs, counters=counters)

@@ -60,6 +60,10 @@ def server_args(profile: Profile, model: str, speculative: dict[str, Any] | None
             f"--max-model-len={profile.max_model_len}", f"--dtype={profile.dtype}", "--seed=0"]
     if profile.enforce_eager:
         args.append("--enforce-eager")
+    if profile.pipeline_parallel_size > 1:
+        args.append(f"--pipeline-parallel-size={profile.pipeline_parallel_size}")
+    if profile.nodes > 1 and profile.device == "cuda":  # vLLM's Ray executor on the cluster
+        args.append("--distributed-executor-backend=ray")
     if speculative:
         args.append(f"--speculative-config={json.dumps(speculative, sort_keys=True)}")
     return args

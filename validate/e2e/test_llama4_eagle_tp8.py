@@ -139,7 +139,8 @@ def _goldens(profile: profiles.Profile, option: str, environment: dict[str, Any]
 def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> None:
     opt = request.config.getoption
     profile = profiles.get(profile_name).with_overrides(
-        tensor_parallel_size=opt("--tp"), num_prompts=opt("--num-prompts"),
+        tensor_parallel_size=opt("--tp"), pipeline_parallel_size=opt("--pp"),
+        nodes=opt("--nodes"), num_prompts=opt("--num-prompts"),
         max_tokens=opt("--max-tokens"))
     name = f"{profile.name}-tp{profile.tensor_parallel_size}"
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -166,6 +167,10 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
                    "vllm": engines.require_vllm(profile.device, profile.device_note),
                    "env_set": engines.prepare_process_env(profile)}
             rec.update(environment=env)
+            if profile.nodes > 1:  # every node checked before anything heavy
+                from validate.e2e import nodes
+
+                rec.update(nodes=nodes.check(profile, {"target": target, "draft": draft}))
             if serving:
                 # Goldens are calibrated on the offline path; the serving path has its own
                 # scheduler and batching, so its acceptance is judged against the profile's floor
@@ -206,10 +211,10 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
             ref_outputs = [metrics.Output.from_dict(o) for o in golden["reference"]]
         else:
             ref_outputs = engines.run_engine(profile, target, chats, None, rec.phase,
-                                             "reference").outputs
+                                             "reference", run_dir).outputs
         if not serving:
             spec = engines.run_engine(profile, target, chats, speculative, rec.phase,
-                                      "speculative")
+                                      "speculative", run_dir)
         engines.log(f"engines done in {time.monotonic() - t0:.1f}s")
 
         cmp = metrics.judge_outputs(ref_outputs, spec.outputs,
