@@ -126,6 +126,7 @@ def test_a_node_lost_mid_run_ends_broken_with_its_phase_and_nothing_left(
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == Exit.BROKEN, out[-3000:]
     rec = json.loads((run / "record.json").read_text())
-    assert rec["status"] == "broken" and "node1 was lost" in rec["error"]["message"], rec["error"]
+    assert rec["status"] == "error" and rec["error"]["kind"] == "broken", rec["error"]
+    assert "node1 was lost" in rec["error"]["message"], rec["error"]
     assert rec["error"]["where"].startswith("reference_engine"), rec["error"]
     assert _kit_leftovers(docker_host) == "", "the cluster's containers and network are removed"
