@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -128,5 +129,26 @@ def test_a_node_lost_mid_run_ends_broken_with_its_phase_and_nothing_left(
     rec = json.loads((run / "record.json").read_text())
     assert rec["status"] == "error" and rec["error"]["kind"] == "broken", rec["error"]
     assert "node1 was lost" in rec["error"]["message"], rec["error"]
+    assert rec["error"]["where"].startswith("reference_engine"), rec["error"]
+    assert _kit_leftovers(docker_host) == "", "the cluster's containers and network are removed"
+
+
+@pytest.mark.e2e
+@pytest.mark.full
+def test_ctrl_c_during_a_two_node_run_is_interrupted_and_removes_the_cluster(
+        docker_host: str, base_image: str, cpu_image: str, pair, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "validate", "rehearse", "--profile",
+                             "tiny-2node", "--container", "--num-prompts", "10", "--run-dir",
+                             str(run), *image_args(base_image)],
+                            cwd=ROOT, env={**os.environ, "DOCKER_HOST": docker_host},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_phase(run, proc, "reference_engine_start")
+    time.sleep(5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == Exit.INTERRUPTED, out[-3000:]
+    rec = json.loads((run / "record.json").read_text())
+    assert rec["status"] == "interrupted", rec["error"]
     assert rec["error"]["where"].startswith("reference_engine"), rec["error"]
     assert _kit_leftovers(docker_host) == "", "the cluster's containers and network are removed"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -55,6 +56,10 @@ def _ray() -> Any:
                              "images carry it (requirements/cpu-engine.txt)") from exc
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS", "auto")
+        # ray.init puts its own SIGTERM handler (sys.exit(15)) over the script's, which turns
+        # SIGTERM (the host's forwarded Ctrl-C, `docker stop`) into an interrupted run (exit
+        # 130): seen as a run "broken: 15". The script's handlers are put back.
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             ray.init(address=address, log_to_driver=False, logging_level="WARNING")
         except ConnectionError as exc:
@@ -62,6 +67,11 @@ def _ray() -> Any:
                 f"no Ray cluster at {address!r} ({exc}): start one (`ray start --head` on the "
                 "first node, `ray start --address=HEAD:6379` on the others) and run the kit on "
                 "the head node") from exc
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                for sig, handler in handlers.items():
+                    if handler is not None:
+                        signal.signal(sig, handler)
     return ray
 
 
@@ -220,7 +230,6 @@ class _Headless:
         return self.proc.poll()
 
     def stop(self, timeout: float) -> int | None:
-        import signal
         import subprocess
 
         with contextlib.suppress(ProcessLookupError):
