@@ -1,6 +1,7 @@
 """Beyond one node (issue 25): the profiles' checks, the nodes' comparison, and the rehearsal on two
 containers of the CPU image on a bridge network with a Ray head and a worker (full tier: about
-N minutes on 2 cores, README says why it is not in CI), including a node lost mid-run."""
+4 minutes on 2 cores once the CPU image is built, README says why it is not in CI), and such a
+run cut short by a lost node or by Ctrl-C."""
 
 from __future__ import annotations
 
@@ -108,11 +109,9 @@ def test_two_node_rehearsal_on_a_ray_cluster_of_two_containers_passes(
     assert _kit_leftovers(docker_host) == "", "the cluster's containers and network are removed"
 
 
-@pytest.mark.e2e
-@pytest.mark.full
-def test_a_node_lost_mid_run_ends_broken_with_its_phase_and_nothing_left(
-        docker_host: str, base_image: str, cpu_image: str, pair, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+def _two_node_run_in_its_engine_start(run: Path, base_image: str,
+                                      docker_host: str) -> subprocess.Popen[str]:
+    """A two-node rehearsal (10 prompts), once its reference engine is starting on both nodes."""
     proc = subprocess.Popen([sys.executable, "-m", "validate", "rehearse", "--profile",
                              "tiny-2node", "--container", "--num-prompts", "10", "--run-dir",
                              str(run), *image_args(base_image)],
@@ -120,35 +119,32 @@ def test_a_node_lost_mid_run_ends_broken_with_its_phase_and_nothing_left(
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for_phase(run, proc, "reference_engine_start")
     time.sleep(5)
-    worker = [n for n in docker(docker_host, "ps", "--format", "{{.Names}}").split()
-              if n.endswith("-node1")]
-    assert worker, "the worker node's container runs"
-    docker(docker_host, "kill", worker[0])
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == Exit.BROKEN, out[-3000:]
-    rec = json.loads((run / "record.json").read_text())
-    assert rec["status"] == "error" and rec["error"]["kind"] == "broken", rec["error"]
-    assert "node1 was lost" in rec["error"]["message"], rec["error"]
-    assert rec["error"]["where"].startswith("reference_engine"), rec["error"]
-    assert _kit_leftovers(docker_host) == "", "the cluster's containers and network are removed"
+    return proc
 
 
 @pytest.mark.e2e
 @pytest.mark.full
-def test_ctrl_c_during_a_two_node_run_is_interrupted_and_removes_the_cluster(
-        docker_host: str, base_image: str, cpu_image: str, pair, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("ending", "code", "status", "said"), [
+    ("node1 lost", Exit.BROKEN, "error", "node1 was lost"),
+    ("ctrl-c", Exit.INTERRUPTED, "interrupted", ""),
+])
+def test_a_two_node_run_cut_short_says_how_and_where_and_leaves_nothing(
+        docker_host: str, base_image: str, cpu_image: str, pair, tmp_path: Path, ending: str,
+        code: Exit, status: str, said: str) -> None:
+    """A worker container killed mid-run is a lost node (exit 4); Ctrl-C is an interrupted run
+    (exit 130). Either way the record says where, and no container or network is left."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "validate", "rehearse", "--profile",
-                             "tiny-2node", "--container", "--num-prompts", "10", "--run-dir",
-                             str(run), *image_args(base_image)],
-                            cwd=ROOT, env={**os.environ, "DOCKER_HOST": docker_host},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for_phase(run, proc, "reference_engine_start")
-    time.sleep(5)
-    proc.send_signal(signal.SIGINT)
+    proc = _two_node_run_in_its_engine_start(run, base_image, docker_host)
+    if ending == "ctrl-c":
+        proc.send_signal(signal.SIGINT)
+    else:
+        worker = [n for n in docker(docker_host, "ps", "--format", "{{.Names}}").split()
+                  if n.endswith("-node1")]
+        assert worker, "the worker node's container runs"
+        docker(docker_host, "kill", worker[0])
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == Exit.INTERRUPTED, out[-3000:]
+    assert proc.returncode == code, out[-3000:]
     rec = json.loads((run / "record.json").read_text())
-    assert rec["status"] == "interrupted", rec["error"]
+    assert rec["status"] == status and said in rec["error"]["message"], rec["error"]
     assert rec["error"]["where"].startswith("reference_engine"), rec["error"]
     assert _kit_leftovers(docker_host) == "", "the cluster's containers and network are removed"
