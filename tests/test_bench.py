@@ -4,6 +4,7 @@ tier), and end to end through two real `vllm serve` processes and `vllm bench se
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -13,7 +14,7 @@ import pytest
 from helpers import ROOT
 
 from validate import contract, profiles, prompt_sets, record
-from validate.e2e import bench
+from validate.e2e import bench, bench_client, serving
 
 
 def _point(server: str, c: int, repeat: int, tok_s: float, tpot: float, **extra) -> dict:
@@ -82,6 +83,62 @@ def test_vllm_bench_serve_is_asked_for_greedy_fixed_length_answers_at_one_concur
         assert arg in argv, (arg, argv)
 
 
+def test_a_gpu_sweep_point_sends_16_waves_after_one_wave_of_warm_up_and_the_cpu_one_the_set_once(
+        tmp_path: Path) -> None:
+    """Short points measure their own ramp-up and tail: on GPU profiles each point sends at least
+    16 waves (the set repeated in its order, every prompt as often as the others), on the CPU
+    rehearsal the set once (its CI minutes)."""
+    prompts = [prompt_sets.Prompt(f"q{i}", "writing", f"question {i}") for i in range(78)]
+    gpu = bench.load_for(profiles.get("tiny-cuda"), prompts, (1, 4, 16, 64), 3, tmp_path)
+    assert gpu.requests == {1: 78, 4: 78, 16: 256, 64: 1024}, gpu.requests
+    assert gpu.warmups == {1: 1, 4: 4, 16: 16, 64: 64}, gpu.warmups
+    lines = [json.loads(line)["prompt"] for line in gpu.dataset.read_text().splitlines()]
+    assert len(lines) == 1024 and lines[:78] == lines[78:156] == [p.text for p in prompts]
+    cpu = bench.load_for(profiles.get("tiny"), prompts[:16], (1, 4), 3, tmp_path)
+    assert (cpu.requests, cpu.warmups) == ({1: 16, 4: 16}, {1: 1, 4: 1})
+    assert len(cpu.dataset.read_text().splitlines()) == 16
+    argv = bench.bench_argv("http://127.0.0.1:8000", "/m", gpu.dataset, 64, 1024, 128,
+                            tmp_path / "r.json", 64)
+    assert {"--num-prompts=1024", "--num-warmups=64", "--disable-shuffle"} <= set(argv), argv
+
+
+def test_on_a_gpu_host_the_servers_and_the_client_get_cpus_of_their_own() -> None:
+    cuda, cpu = profiles.get("tiny-cuda"), profiles.get("tiny")
+    assert bench.cpu_split(cuda, set(range(16))) == (frozenset(range(12)), frozenset(range(12, 16)))
+    assert bench.cpu_split(cuda, set(range(8))) == (frozenset(range(6)), frozenset({6, 7}))
+    assert bench.cpu_split(cuda, set(range(4))) is None  # too few to split
+    assert bench.cpu_split(cpu, set(range(64))) is None  # the CPU engine computes on all
+
+
+def test_a_server_started_on_given_cpus_runs_on_them_only() -> None:
+    """What the server's process does before vLLM starts (``serving._before_exec``), run for
+    real in a child: its CPU affinity is the set given (vLLM's engine core inherits it)."""
+    one = frozenset({min(os.sched_getaffinity(0))})
+    out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         preexec_fn=serving._before_exec(one), capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == str(sorted(one)), out
+
+
+def test_a_point_whose_repeats_spread_more_than_the_profile_allows_is_shown_as_noise_bound() -> None:
+    points = [_point("reference", 1, r, v, 5.0) for r, v in ((1, 100.0), (2, 104.0), (3, 101.0))]
+    points += [_point("speculative", 1, r, v, 4.0) for r, v in ((1, 150.0), (2, 151.0), (3, 150.0))]
+    points += [_point("reference", 4, r, v, 5.0) for r, v in ((1, 300.0), (2, 330.0), (3, 310.0))]
+    points += [_point("speculative", 4, r, v, 4.0) for r, v in ((1, 400.0), (2, 401.0), (3, 400.0))]
+    rows = bench.summarize(points, max_spread=0.05)
+    assert [row["steady"] for row in rows] == [True, False], rows
+    text = "\n".join(record.bench_md({**SECTION, "points": points, "summary": rows,
+                                      "max_spread": 0.05}))
+    assert "spread above 5% between repeats at concurrency 4:" in text, text
+
+
+def test_the_client_reports_the_share_of_cpu_time_the_host_stole() -> None:
+    assert bench_client.steal_share((10, 1000), (30, 2000)) == 0.02
+    assert bench_client.steal_share(None, (30, 2000)) is None
+    now = bench_client.cpu_times()
+    assert now is not None and 0 <= now[0] <= now[1], now
+
+
 def _record(bench_section: dict) -> dict:
     return {"schema_version": contract.RECORD_SCHEMA_VERSION, "name": "tiny-tp2",
             "status": "passed", "started_at": "now", "profile": {}, "environment": {},
@@ -103,7 +160,8 @@ def test_every_sweep_point_runs_in_one_client_and_a_failed_one_is_kept_as_failed
     pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
     server = types.SimpleNamespace(url="http://127.0.0.1:9", model=str(tmp_path / "no-model"))
     dataset = bench.dataset_file([prompt_sets.Prompt("q", "writing", "Hello")], tmp_path / "d.jsonl")
-    points = bench.sweep(server, "reference", dataset, 1, 8, (1, 4), 1, tmp_path)
+    load = bench.Load(dataset, 8, {1: 1, 4: 1}, {1: 1, 4: 1}, 1)
+    points = bench.sweep(server, "reference", load, tmp_path)
     assert [(p["concurrency"], p["repeat"]) for p in points] == [(1, 1), (4, 1)], points
     assert all("no-model" in p["failed"] for p in points), points
     log = (tmp_path / "reference.log").read_text()

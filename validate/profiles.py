@@ -60,6 +60,14 @@ class Profile:
     bench_output_len: int = 256  # tokens per answer under load (every answer that long)
     bench_concurrency: tuple[int, ...] = (1, 4, 16, 64)
     bench_repeats: int = 3
+    # Each point sends at least concurrency x bench_min_waves requests (the set repeated in its
+    # order) after one wave of warm-up requests: a point of one wave measures its own ramp-up and
+    # tail (on one H100, concurrency 64 over MT-Bench's 78 prompts lasted 1.3 s and its repeats
+    # spread 27%). 0: the set once, one warm-up request (the CPU rehearsal, minutes on 2 cores).
+    bench_min_waves: int = 16
+    # The spread between repeats (max - min over the median) above which a point's throughput is
+    # shown as noise-bound in the summary (issue 24 asks for under 5%).
+    bench_max_spread: float = 0.05
     # Beyond one node (issue 25): how many nodes the engines span and the pipeline parallel size
     # (TP inside a node, PP across nodes, as vLLM's multi-node docs lay it out). On GPUs the
     # engines use vLLM's Ray executor on the cluster the kit joins; vLLM's CPU build has neither

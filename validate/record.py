@@ -302,8 +302,11 @@ def bench_md(bench: dict[str, Any] | None) -> list[str]:
     median), acceptance per category, the failed points, the plot."""
     if not bench:
         return []
+    requests = bench.get("requests") or {}
+    sent = (f" (requests a point: {', '.join(f'{n} at {c}' for c, n in requests.items())})"
+            if requests and set(requests.values()) != {bench["prompts"]} else "")
     lines = ["", "## Serving bench", "",
-             f"`vllm bench serve` on {bench['prompts']} prompts of `{bench['set']}`, "
+             f"`vllm bench serve` on {bench['prompts']} prompts of `{bench['set']}`{sent}, "
              f"{bench['output_len']} tokens an answer, {bench['repeats']} repeats a point; the "
              "figures are medians ± the spread between repeats (max - min over the median).", "",
              "| concurrency | output tok/s reference | output tok/s speculative | speed-up | "
@@ -324,6 +327,11 @@ def bench_md(bench: dict[str, Any] | None) -> list[str]:
         for name, c in bench["categories"].items():
             lines.append(f"| {name} | {c['prompts']} | {c['mean_acceptance_length']:.2f} | "
                          f"{', '.join(f'{r:.2f}' for r in c['per_position_rate'])} |")
+    unsteady = [str(row["concurrency"]) for row in bench["summary"] if row.get("steady") is False]
+    if unsteady:
+        lines.append(f"- throughput spread above {bench.get('max_spread', 0.05):.0%} between "
+                     f"repeats at concurrency {', '.join(unsteady)}: the speed-up there is within "
+                     "the host's noise")
     failed = [p for p in bench["points"] if "failed" in p]
     lines += [f"- failed point: {p['server']} at concurrency {p['concurrency']}, repeat "
               f"{p['repeat']}: {p['failed'][:300]}" for p in failed]

@@ -7,19 +7,23 @@ judged) and the bench set's chats by category (acceptance per MT-Bench category,
 papers print, from the server's ``/metrics`` before and after each category), then takes the
 concurrency sweep from ``vllm bench serve`` (vLLM's benchmark client, run as a subprocess by
 ``bench_client``: the kit writes no load generator). Each sweep point is repeated; a point that
-fails is recorded as failed and the others kept.
+fails is recorded as failed and the others kept. On a GPU host the servers and the client run on
+CPUs of their own: a small target's decode step is mostly host work, and a client that shares the
+server's CPUs moves its figures.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,8 @@ POINT_FIGURES = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "media
                  "request_throughput", "completed", "duration", "spec_decode_acceptance_length",
                  "spec_decode_per_position_acceptance_rates")
 CHAT_THREADS = 32  # concurrent greedy chats (batched by the server); the outputs do not depend on it
+# A GPU host with fewer CPUs than this keeps one set for all (nothing to split).
+MIN_CPUS_TO_SPLIT = 8
 
 Phase = Callable[[str], contextlib.AbstractContextManager[Any]]
 
@@ -97,14 +103,58 @@ def fits_context(profile: Profile, target: str) -> Callable[[str], bool]:
     return fits
 
 
-def dataset_file(prompts: list[prompt_sets.Prompt], path: Path) -> Path:
-    """The prompts as ``vllm bench serve``'s custom dataset (one ``{"prompt": ...}`` a line)."""
-    path.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts))
+def dataset_file(prompts: list[prompt_sets.Prompt], path: Path, lines: int = 0) -> Path:
+    """The prompts as ``vllm bench serve``'s custom dataset (one ``{"prompt": ...}`` a line),
+    repeated in their order up to ``lines`` lines where more are asked for than the set has (a
+    point takes the file's first N lines: ``--disable-shuffle``; vLLM's own oversampling would
+    draw at random, some prompts more often than others)."""
+    rows = [json.dumps({"prompt": p.text}) + "\n" for p in prompts]
+    path.write_text("".join(rows[i % len(rows)] for i in range(max(lines, len(rows)))))
     return path
 
 
+@dataclass(frozen=True)
+class Load:
+    """What ``vllm bench serve`` sends at each concurrency of a sweep, and where it runs."""
+
+    dataset: Path
+    output_len: int
+    requests: dict[int, int]  # concurrency -> requests a point
+    warmups: dict[int, int]  # concurrency -> warm-up requests before it
+    repeats: int
+    client_cpus: frozenset[int] | None = None
+
+    @property
+    def concurrency(self) -> tuple[int, ...]:
+        return tuple(self.requests)
+
+
+def load_for(profile: Profile, prompts: list[prompt_sets.Prompt], concurrency: tuple[int, ...],
+             repeats: int, folder: Path, client_cpus: frozenset[int] | None = None) -> Load:
+    """The sweep's load: the set once a point, or at least ``bench_min_waves`` waves of requests
+    at each concurrency after one wave of warm-up (``Profile.bench_min_waves`` says why)."""
+    waves = profile.bench_min_waves
+    requests = {c: max(len(prompts), c * waves) for c in concurrency}
+    dataset = dataset_file(prompts, folder / f"{profile.bench_set}.jsonl", max(requests.values()))
+    return Load(dataset, profile.bench_output_len, requests,
+                {c: c if waves else 1 for c in concurrency}, repeats, client_cpus)
+
+
+def cpu_split(profile: Profile, available: set[int] | None = None
+              ) -> tuple[frozenset[int], frozenset[int]] | None:
+    """(the servers' CPUs, the client's) on a GPU host with CPUs to spare: the client gets the
+    last quarter (at least 2), the servers the rest; None on CPU profiles (the engine computes on
+    every CPU there) and on hosts with fewer than ``MIN_CPUS_TO_SPLIT``. ``available``: the CPUs
+    this process may use (its affinity, by default)."""
+    cpus = sorted(os.sched_getaffinity(0) if available is None else available)
+    if profile.device != "cuda" or len(cpus) < MIN_CPUS_TO_SPLIT:
+        return None
+    k = max(2, len(cpus) // 4)
+    return frozenset(cpus[:-k]), frozenset(cpus[-k:])
+
+
 def bench_argv(url: str, model: str, dataset: Path, concurrency: int, num_prompts: int,
-               output_len: int, result: Path) -> list[str]:
+               output_len: int, result: Path, warmups: int = 1) -> list[str]:
     """``vllm bench serve``'s arguments for one sweep point: the chat endpoint (what Maverick's
     users call), the pinned prompts as they are (the server applies the chat template), greedy,
     every answer ``output_len`` tokens long (``--ignore-eos``: equal work for both servers)."""
@@ -112,7 +162,7 @@ def bench_argv(url: str, model: str, dataset: Path, concurrency: int, num_prompt
             f"--model={model}", "--dataset-name=custom", f"--dataset-path={dataset}",
             "--skip-chat-template", "--disable-shuffle", f"--num-prompts={num_prompts}",
             f"--custom-output-len={output_len}", "--ignore-eos", "--temperature=0",
-            f"--max-concurrency={concurrency}", "--num-warmups=1", "--seed=0",
+            f"--max-concurrency={concurrency}", f"--num-warmups={warmups}", "--seed=0",
             "--percentile-metrics=ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result",
             f"--result-dir={result.parent}", f"--result-filename={result.name}"]
 
@@ -121,6 +171,8 @@ def _point(concurrency: int, ending: dict[str, Any], result: Path, log: Path) ->
     """One sweep point from the client's report of it and its result file: the figures, or
     ``failed`` with why."""
     point: dict[str, Any] = {"concurrency": concurrency, "wall_s": ending["wall_s"]}
+    if ending.get("host_steal") is not None:  # the host's CPU time taken by other guests
+        point["host_steal"] = ending["host_steal"]
     if ending["error"] or not result.is_file():
         return {**point, "failed": f"vllm bench serve: {ending['error'] or 'no result file'} "
                                    f"(its output: {log})"}
@@ -131,21 +183,24 @@ def _point(concurrency: int, ending: dict[str, Any], result: Path, log: Path) ->
     return {**point, **figures}
 
 
-def sweep(server: Server, label: str, dataset: Path, num_prompts: int, output_len: int,
-          concurrency: tuple[int, ...], repeats: int, folder: Path) -> list[dict[str, Any]]:
+def sweep(server: Server, label: str, load: Load, folder: Path) -> list[dict[str, Any]]:
     """Every (concurrency, repeat) point against one server, through one ``bench_client``
     process, each said as it ends; points the client never reached (it died) are failed."""
-    plan = [(c, r, folder / f"{label}-c{c}-r{r}.json") for c in concurrency
+    repeats = load.repeats
+    plan = [(c, r, folder / f"{label}-c{c}-r{r}.json") for c in load.concurrency
             for r in range(1, repeats + 1)]
     log = folder / f"{label}.log"
     plan_file = folder / f"{label}-plan.json"
     plan_file.write_text(json.dumps({"log": str(log), "points": [
-        bench_argv(server.url, server.model, dataset, c, num_prompts, output_len, result)
-        for c, _, result in plan]}))
+        bench_argv(server.url, server.model, load.dataset, c, load.requests[c], load.output_len,
+                   result, load.warmups[c]) for c, _, result in plan]}))
     points: list[dict[str, Any]] = []
+    cpus = load.client_cpus
     with open(log, "ab") as err:
         proc = subprocess.Popen([sys.executable, "-m", "validate.e2e.bench_client",
-                                 str(plan_file)], stdout=subprocess.PIPE, stderr=err, text=True)
+                                 str(plan_file)], stdout=subprocess.PIPE, stderr=err, text=True,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus
+                                else None)
     # A client that hangs is ended (an hour a point, as each point had when it was a process of
     # its own); the points it never reported are then recorded as failed.
     watchdog = threading.Timer(3600.0 * len(plan), proc.kill)
@@ -178,10 +233,11 @@ def _spread(values: list[float]) -> float:
     return (max(values) - min(values)) / mid if mid else 0.0
 
 
-def summarize(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per concurrency: each server's medians and spreads over its repeats that completed, and
-    the speed-up (speculative / reference output tokens per second, and reference / speculative
-    TPOT: per-user speed)."""
+def summarize(points: list[dict[str, Any]], max_spread: float = 0.05) -> list[dict[str, Any]]:
+    """Per concurrency: each server's medians and spreads over its repeats that completed, the
+    speed-up (speculative / reference output tokens per second, and reference / speculative
+    TPOT: per-user speed), and ``steady``: both servers' throughput spread within
+    ``max_spread`` (else the speed-up is within the host's noise)."""
     rows = []
     for c in sorted({p["concurrency"] for p in points}):
         row: dict[str, Any] = {"concurrency": c}
@@ -199,6 +255,8 @@ def summarize(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["speedup"] = round(spec["output_throughput"] / ref["output_throughput"], 4)
         if ref.get("median_tpot_ms") and spec.get("median_tpot_ms"):
             row["tpot_speedup"] = round(ref["median_tpot_ms"] / spec["median_tpot_ms"], 4)
+        spreads = [s.get("output_throughput_spread") for s in (ref, spec)]
+        row["steady"] = None not in spreads and max(spreads) <= max_spread
         acc = [float(p["spec_decode_acceptance_length"]) for p in points
                if p["concurrency"] == c and p["server"] == "speculative"
                and p.get("spec_decode_acceptance_length") is not None]
@@ -240,7 +298,9 @@ def run(profile: Profile, target: str, speculative: dict[str, Any],
     folder = run_dir / "bench"
     folder.mkdir(parents=True, exist_ok=True)
     prompts, left_out = bench_prompts(profile, fits_context(profile, target))
-    dataset = dataset_file(prompts, folder / f"{profile.bench_set}.jsonl")
+    split = cpu_split(profile)
+    server_cpus, client_cpus = split or (None, None)
+    load = load_for(profile, prompts, concurrency, repeats, folder, client_cpus)
     points: list[dict[str, Any]] = []
     outputs: dict[str, list[Output]] = {}
     counters: dict[str, Any] = {}
@@ -249,7 +309,8 @@ def run(profile: Profile, target: str, speculative: dict[str, Any],
         args = server_args(profile, target, spec)
         with contextlib.ExitStack() as stack:  # the server stops on every ending
             with phase(f"{label}_server_start"):
-                server = stack.enter_context(Server(args, folder / f"{label}-server.log", label))
+                server = stack.enter_context(Server(args, folder / f"{label}-server.log", label,
+                                                    cpus=server_cpus))
             with phase(f"{label}_generation"):
                 before = server.metrics()
                 engines.log(f"{label} server: {len(chats)} greedy chats x {profile.max_tokens} "
@@ -261,15 +322,21 @@ def run(profile: Profile, target: str, speculative: dict[str, Any],
                     engines.log(f"{label} server: acceptance per {profile.bench_set} category")
                     categories = _by_category(server, prompts, profile)
             with phase(f"{label}_bench"):
-                points += sweep(server, label, dataset, len(prompts), profile.bench_output_len,
-                                concurrency, repeats, folder)
+                points += sweep(server, label, load, folder)
     section = {"set": profile.bench_set, "prompts": len(prompts), "left_out": left_out,
                "output_len": profile.bench_output_len, "concurrency": list(concurrency),
-               "repeats": repeats, "client": "vllm bench serve (vllm.benchmarks.serve)",
+               "repeats": repeats,
+               "requests": {str(c): n for c, n in load.requests.items()},
+               "warmups": {str(c): n for c, n in load.warmups.items()},
+               "cpus": {"servers": sorted(server_cpus), "client": sorted(client_cpus)} if split
+               else None,
+               "max_spread": profile.bench_max_spread,
+               "client": "vllm bench serve (vllm.benchmarks.serve)",
                "server": "vllm.entrypoints.openai.api_server (what `vllm serve` runs)",
                "server_args": server_args(profile, "<target>", None),
                "speculative_config": speculative | {"model": "<draft>"},
-               "points": points, "summary": summarize(points), "categories": categories}
+               "points": points, "summary": summarize(points, profile.bench_max_spread),
+               "categories": categories}
     return outputs["reference"], outputs["speculative"], counters, section
 
 

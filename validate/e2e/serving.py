@@ -27,6 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,16 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _before_exec(cpus: frozenset[int] | None) -> Callable[[], None]:
+    """What the server's process does before vLLM starts: die with this script, and keep to
+    ``cpus`` where given (its engine core and workers inherit them)."""
+    def run() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return run
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -86,12 +97,13 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 class Server:
     """One vLLM server (``with Server(...) as s:``): healthy on entry, stopped with every process
-    it started on exit, also on an exception or Ctrl-C. Its output goes to ``log``."""
+    it started on exit, also on an exception or Ctrl-C. Its output goes to ``log``; ``cpus``, if
+    given, are the only CPUs it and its children run on."""
 
     def __init__(self, args: list[str], log: Path, label: str,
                  health_timeout_s: float = HEALTH_TIMEOUT_S, attempts: int = 3,
-                 first_port: int = 0) -> None:
-        self.args, self.log, self.label = args, log, label
+                 first_port: int = 0, cpus: frozenset[int] | None = None) -> None:
+        self.args, self.log, self.label, self.cpus = args, log, label, cpus
         self.health_timeout_s, self.attempts = health_timeout_s, attempts
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = self._offset = 0
@@ -136,7 +148,7 @@ class Server:
             # Its own process group, so that stop() reaches the engine core and TP workers too.
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True, env=os.environ.copy(),
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=_before_exec(self.cpus))
         started = time.monotonic()
         said = started
         while True:
