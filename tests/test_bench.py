@@ -129,7 +129,7 @@ def test_a_point_whose_repeats_spread_more_than_the_profile_allows_is_shown_as_n
     assert [row["steady"] for row in rows] == [True, False], rows
     text = "\n".join(record.bench_md({**SECTION, "points": points, "summary": rows,
                                       "max_spread": 0.05}))
-    assert "spread above 5% between repeats at concurrency 4:" in text, text
+    assert "spread above 5% between repeats at concurrency 4: those figures" in text, text
 
 
 def test_the_client_reports_the_share_of_cpu_time_the_host_stole() -> None:

@@ -28,6 +28,13 @@ rm -rf /root/kit-snapshot && mkdir -p /root/kit-snapshot
 tar --exclude=./.whl --exclude=./.git --exclude=./runs -cf - . | tar -xf - -C /root/kit-snapshot
 cd /root/kit-snapshot || exit 1
 export VALIDATE_CACHE=${VALIDATE_CACHE:-/root/kit-cache}
+# The card's clocks, power and load once a second for the whole run (read only: the card's
+# settings are left as found): where a bench point's repeats differ, this says whether the card
+# changed pace.
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
+  --format=csv -l 1 > "$dir/gpu-clocks.csv" 2>&1 &
+clocks=$!
+trap 'kill $clocks 2>/dev/null' EXIT
 step() {  # step NAME COMMAND...: run it, log it, keep its records
   local name=$1; shift
   if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then

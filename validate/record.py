@@ -327,17 +327,18 @@ def bench_md(bench: dict[str, Any] | None) -> list[str]:
         for name, c in bench["categories"].items():
             lines.append(f"| {name} | {c['prompts']} | {c['mean_acceptance_length']:.2f} | "
                          f"{', '.join(f'{r:.2f}' for r in c['per_position_rate'])} |")
+    notes = []
     unsteady = [str(row["concurrency"]) for row in bench["summary"] if row.get("steady") is False]
     if unsteady:
-        lines.append(f"- throughput spread above {bench.get('max_spread', 0.05):.0%} between "
-                     f"repeats at concurrency {', '.join(unsteady)}: the speed-up there is within "
-                     "the host's noise")
-    failed = [p for p in bench["points"] if "failed" in p]
-    lines += [f"- failed point: {p['server']} at concurrency {p['concurrency']}, repeat "
-              f"{p['repeat']}: {p['failed'][:300]}" for p in failed]
+        notes.append(f"- throughput spread above {bench.get('max_spread', 0.05):.0%} between "
+                     f"repeats at concurrency {', '.join(unsteady)}: those figures and their "
+                     "speed-up hold only to within that spread")
+    notes += [f"- failed point: {p['server']} at concurrency {p['concurrency']}, repeat "
+              f"{p['repeat']}: {p['failed'][:300]}" for p in bench["points"] if "failed" in p]
     if bench.get("left_out"):
-        lines.append(f"- left out (longer than the context with an answer): "
+        notes.append(f"- left out (longer than the context with an answer): "
                      f"{', '.join(bench['left_out'])}")
+    lines += [""] * bool(notes) + notes
     if bench.get("plot"):
         lines += ["", f"![speed-up and acceptance]({bench['plot']})"]
     return lines
