@@ -237,7 +237,8 @@ def summarize(points: list[dict[str, Any]], max_spread: float = 0.05) -> list[di
     """Per concurrency: each server's medians and spreads over its repeats that completed, the
     speed-up (speculative / reference output tokens per second, and reference / speculative
     TPOT: per-user speed), and ``steady``: both servers' throughput spread within
-    ``max_spread`` (else the speed-up is within the host's noise)."""
+    ``max_spread`` (else those figures and their speed-up hold only to within that
+    spread)."""
     rows = []
     for c in sorted({p["concurrency"] for p in points}):
         row: dict[str, Any] = {"concurrency": c}
