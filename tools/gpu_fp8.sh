@@ -21,12 +21,8 @@
 # .whl/extra, and `pip install --no-index --no-deps --target /tmp/site .whl/extra/*.whl` there.
 set -uo pipefail
 dir=$1
-mkdir -p "$dir"
-# Each device call lays the working tree anew: run from a copy, so a poll cannot change the code
-# under a run.
-rm -rf /root/kit-snapshot && mkdir -p /root/kit-snapshot
-tar --exclude=./.whl --exclude=./.git --exclude=./runs -cf - . | tar -xf - -C /root/kit-snapshot
-cd /root/kit-snapshot || exit 1
+# shellcheck source=tools/snapshot.sh
+source "$(dirname "$0")/snapshot.sh"  # from here on in a copy of the tree
 export VALIDATE_CACHE=${VALIDATE_CACHE:-/root/kit-cache}
 # The card's clocks, power and load once a second for the whole run (read only: the card's
 # settings are left as found): where a bench point's repeats differ, this says whether the card

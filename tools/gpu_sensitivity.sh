@@ -7,12 +7,8 @@
 # DIR gets suite.log, the suite's folder (sensitivity.md/.json, each run's record) and records.tgz.
 set -uo pipefail
 dir=$1
-mkdir -p "$dir"
-# Each device call lays the working tree anew: run from a copy, so a poll cannot change the code
-# under a suite that is running.
-rm -rf /root/kit-snapshot && mkdir -p /root/kit-snapshot
-tar --exclude=./.whl --exclude=./.git --exclude=./runs -cf - . | tar -xf - -C /root/kit-snapshot
-cd /root/kit-snapshot || exit 1
+# shellcheck source=tools/snapshot.sh
+source "$(dirname "$0")/snapshot.sh"  # from here on in a copy of the tree
 python3 -m validate sensitivity --profile tiny-cuda --tp 1 --run-dir "$dir/suite" \
   --only accept-second-choice --only verify-shifted-logits --only rejected-draft-kept \
   --only draft-from-rejected --only comment-only > "$dir/suite.log" 2>&1

@@ -23,9 +23,7 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 import tomllib
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from validate import prompts
+from validate import files, prompts
 
 MANIFEST = "pair.json"
 PROMPT_SET = "seed-wide"
@@ -77,10 +75,8 @@ def fingerprint() -> str:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("VALIDATE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "llama4-eagle-validate"
-    )
-    return Path(base) / "tiny-pair" / fingerprint()
+    """The pair's folder in the kit's state folder, one per fingerprint."""
+    return files.state_dir() / "tiny-pair" / fingerprint()
 
 
 @dataclass
@@ -466,17 +462,15 @@ def bypassed(head: EagleHead) -> EagleHead:
 
 
 def generate(out: Path, *, eval_prompts: int = 100, eval_tokens: int = 32, k: int = 3) -> Pair:
-    """Build the pair into ``out`` atomically (a temp folder renamed at the end)."""
+    """Build the pair into ``out`` atomically (``files.staged_folder``: all of it or nothing)."""
     cfg = spec()
     seed = cfg["seed"]
     torch.manual_seed(seed)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     timings: dict[str, float] = {}
-    try:
+    with files.staged_folder(out) as tmp:
         t = time.monotonic()
         tokenizer = build_tokenizer(tmp / "target", cfg, rng)
         target = build_target(cfg, tokenizer)
@@ -543,12 +537,6 @@ def generate(out: Path, *, eval_prompts: int = 100, eval_tokens: int = 32, k: in
             "timings": timings,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return Pair(out)
 
 
