@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import pytest
 
+from validate import contract
 from validate.record import RunRecord
 
 
@@ -73,3 +76,35 @@ def test_reproduce_names_commands_and_pins(tmp_path: Path) -> None:
     assert f"`meta-llama/M` at `{'a' * 40}`" in text and f"`r/E` at `{'b' * 40}`" in text
     assert f"git checkout {'c' * 40}\npython -m validate validate --profile maverick-tp8" in text
     assert "vLLM 0.25.0" in text
+
+
+def test_an_error_a_library_raises_in_place_of_ctrl_c_still_ends_the_run_interrupted(
+        tmp_path: Path) -> None:
+    """Ctrl-C while pydantic-core built a schema for vLLM's config came out of it as a SchemaError,
+    and the run read as broken (exit 4). Once a signal has reached the run, it ends interrupted
+    (exit 130) whatever error surfaces. (A child process: the handler's memory is per process.)"""
+    script = f"""
+import os, signal, time
+from pathlib import Path
+from validate import contract
+from validate import contract
+from validate.record import RunRecord
+signal.signal(signal.SIGINT, contract.interrupt)
+rec = RunRecord.create(Path({str(tmp_path)!r}), profile={{"name": "tiny"}}, name="tiny-tp8")
+try:
+    with rec.phase("reference_engine_start"):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+        except KeyboardInterrupt:  # what pydantic-core did with it
+            raise RuntimeError("Error building `definitions` serializer") from None
+except BaseException as exc:
+    rec.fail(exc)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "record.json").read_text())
+    assert data["status"] == "interrupted", data["error"]
+    assert data["phases"]["reference_engine_start"]["status"] == "interrupted"
+    assert contract.exit_code(data) == contract.Exit.INTERRUPTED

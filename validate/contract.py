@@ -97,8 +97,28 @@ class EnvironmentProblem(KitError, RuntimeError):
     kind = ErrorKind.ENVIRONMENT
 
 
+# Set by the signal handlers of either side (``interrupt``). A KeyboardInterrupt raised inside a
+# library can come out as that library's own error: pydantic-core, building a schema while vLLM
+# sets up its config, was seen to turn a Ctrl-C into a SchemaError, and the run then read as
+# broken (exit 4) instead of interrupted (exit 130).
+_signalled: list[int] = []
+
+
+def interrupt(signum: int, frame: object = None) -> None:
+    """Signal handler of a run for SIGINT and SIGTERM: remembers the signal, then raises
+    KeyboardInterrupt (Ctrl-C's path)."""
+    _signalled.append(signum)
+    raise KeyboardInterrupt
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` ends the run as interrupted: a KeyboardInterrupt, or any error raised after
+    a signal reached the run (``interrupt``)."""
+    return isinstance(exc, KeyboardInterrupt) or bool(_signalled)
+
+
 def error_kind(exc: BaseException) -> ErrorKind:
-    if isinstance(exc, KeyboardInterrupt):
+    if is_interrupt(exc):
         return ErrorKind.INTERRUPTED
     return getattr(exc, "kind", ErrorKind.BROKEN)
 

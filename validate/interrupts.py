@@ -1,13 +1,14 @@
-"""SIGTERM takes Ctrl-C's path. Host side, depends on nothing: the command line, a run and the
-steps of a flow all end the same way on either signal (a record that says where it stopped,
-exit 130)."""
+"""SIGTERM takes Ctrl-C's path. Host side, depends on the contract only (its handler, which
+also remembers that a signal came): the command line, a run and the steps of a flow all end the
+same way on either signal (a record that says where it stopped, exit 130)."""
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+
+from validate import contract
 
 
 @contextmanager
@@ -15,11 +16,8 @@ def signals_as_interrupt() -> Iterator[None]:
     """SIGTERM (a CI cancel, `docker stop`, `kill`) takes the same path as Ctrl-C; and SIGINT
     interrupts even where it was inherited as ignored (jobs started in the background by a
     non-interactive shell, `nohup`), where Python would otherwise never see it."""
-    def raise_interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    old_term = signal.signal(signal.SIGTERM, raise_interrupt)
-    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    old_term = signal.signal(signal.SIGTERM, contract.interrupt)
+    old_int = signal.signal(signal.SIGINT, contract.interrupt)
     try:
         yield
     finally:

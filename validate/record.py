@@ -156,7 +156,7 @@ class RunRecord:
         try:
             yield entry
         except BaseException as exc:
-            entry["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            entry["status"] = "interrupted" if contract.is_interrupt(exc) else "failed"
             entry["error"] = f"{type(exc).__name__}: {exc}"
             raise
         else:

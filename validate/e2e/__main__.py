@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from validate import contract
 from validate.contract import ErrorKind, Exit
 from validate.record import RunRecord
 
@@ -33,7 +34,7 @@ def _interrupt(signum: int, frame: object) -> None:
     if os.getppid() != PARENT:
         raise KeyboardInterrupt(f"the kit that started this run (process {PARENT}) is gone "
                                 "(killed with SIGKILL, or it crashed): the run stops here")
-    raise KeyboardInterrupt
+    contract.interrupt(signum, frame)
 
 
 def _orphaned_workers_stop() -> None:
@@ -78,7 +79,7 @@ def _end_record(message: str) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, contract.interrupt)
     threading.Thread(target=_watch_the_kit, name="kit-watch", daemon=True).start()
     code = pytest.main([str(SCRIPT), "-p", "no:cacheprovider", "-s", "-q", *sys.argv[1:]])
     if os.getppid() != PARENT:
