@@ -182,14 +182,18 @@ def cpu_image(_prebuild: _Prebuild | None, base_image: str) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The CI tier leaves out the full tier's cases (deselected, not skipped: CI fails on a skip);
-    Docker tests run last, so the image built in the background is there when they start."""
+    """The CI tier leaves out the full tier's cases (deselected, not skipped: CI fails on a skip).
+    Order: the tests without an engine first (a broken verdict or record fails in minutes, and
+    they are single-threaded while the CPU image builds in the background from the session's
+    start: the two share the 2 cores instead of a 2-thread engine run and the build fighting for
+    them), then the engine tests, then the Docker tests (the image is there by then)."""
     if TIER != "full":
         full = [item for item in items if item.get_closest_marker("full")]
         if full:
             config.hook.pytest_deselected(items=full)
             items[:] = [item for item in items if not item.get_closest_marker("full")]
-    items.sort(key=lambda item: "base_image" in getattr(item, "fixturenames", ()))
+    items.sort(key=lambda item: ("base_image" in getattr(item, "fixturenames", ()),
+                                 item.get_closest_marker("e2e") is not None))
 
 
 # Wall time per test file, printed at the end of every run: CI's budget (30 minutes on 2 cores) is

@@ -277,6 +277,8 @@ def test_the_bench_at_tp8_serves_both_models_sweeps_and_passes(pair, tmp_path: P
 
 
 @pytest.mark.e2e
+@pytest.mark.full  # a second case of the serving path (CI runs it once, the TP=2 bench); the CI
+# tier's breakages of every class are judged on the offline path by the same verdict code
 def test_a_head_breakage_fails_on_the_serving_path_too(pair, tmp_path: Path) -> None:
     """The head fed [hidden state, embedding] instead of [embedding, hidden state]: the servers'
     greedy outputs still match (lossless), the drafts are never accepted."""
