@@ -161,6 +161,15 @@ def refresh_prompt_sets(session: nox.Session) -> None:
 
 
 @nox.session
+def image(session: nox.Session) -> None:
+    """Build the kit's CPU image (`-- --kind cuda`: the CUDA one), or find it built: prints its tag.
+
+    Host side: needs a Docker engine (DOCKER_HOST). Image options after --, e.g. `--base-image`.
+    """
+    host_side(session, "-m", "validate", "image")
+
+
+@nox.session
 def refresh_pins(session: nox.Session) -> None:
     """Pin the base images in containers/pins.toml to their registry digests (needs a registry)."""
     host_side(session, "-m", "validate", "refresh-pins")

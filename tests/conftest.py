@@ -5,13 +5,15 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TIER, WALKTHROUGH_RUN, image_args, push, runnable_blocks, stop
+from helpers import ROOT, TIER, WALKTHROUGH_RUN, image_args, registry_base, runnable_blocks, stop
 
 FIXTURE_MODELS = Path(__file__).parent / "data" / "fixture-models"
 
@@ -36,11 +38,28 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     return Models(root / "target", root / "head")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pair_generation(request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Popen, Path] | None:
+    """Starts the tiny pair's generation (minutes, when it is not cached) at the session's start,
+    in a process of its own, when a selected test needs the pair: the tests without an engine,
+    which run first and single-threaded, leave a core to it."""
+    if not any("pair" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        return None
+    log = tmp_path_factory.mktemp("pair") / "synth.log"
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "validate.synth"], stdout=out,
+                                stderr=subprocess.STDOUT), log
+
+
 @pytest.fixture(scope="session")
-def pair():
+def pair(_pair_generation: tuple[subprocess.Popen, Path] | None):
     """The generated tiny pair (built once per machine and generator version, then cached)."""
     from validate import synth
 
+    if _pair_generation is not None:
+        proc, log = _pair_generation
+        assert proc.wait(timeout=3600) == 0, f"the tiny pair's generation failed:\n{log.read_text()[-3000:]}"
     return synth.ensure()
 
 
@@ -130,7 +149,7 @@ def local_base(docker_host: str) -> str:
 @pytest.fixture(scope="session")
 def base_image(docker_host: str, local_base: str, registry: str) -> str:
     """The local base as a real registry serves it, by digest: builds are FROM a digest."""
-    return push(docker_host, local_base, f"{registry}/kit-base/bookworm:local")
+    return registry_base(docker_host, local_base, registry)
 
 
 class _Prebuild:
@@ -147,6 +166,13 @@ class _Prebuild:
     def _build(self) -> None:
         from validate import build, cli, containers, request
 
+        # `.ci/run` starts this build with the same options while the engine environment
+        # installs, and writes its exit status to KIT_PREBUILT_IMAGE when it ends: wait for it,
+        # then find the image by its inputs (or build it here if that build failed).
+        prebuilt = os.environ.get("KIT_PREBUILT_IMAGE")
+        deadline = time.monotonic() + 3600
+        while prebuilt and not Path(prebuilt).is_file() and time.monotonic() < deadline:
+            time.sleep(2)
         args = cli.build_parser().parse_args(["rehearse", "--container", *image_args(self.base)])
         try:
             with open(self.log, "w") as out:

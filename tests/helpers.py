@@ -67,6 +67,11 @@ def push(docker_host: str, local: str, remote: str) -> str:
     return ref
 
 
+def registry_base(docker_host: str, local: str, registry: str) -> str:
+    """The local Debian base as the test registry serves it, by digest: builds are FROM a digest."""
+    return push(docker_host, local, f"{registry}/kit-base/bookworm:local")
+
+
 def stop(pidfile: Path, timeout_s: float = 30) -> None:
     """SIGTERM the process a start script recorded, and wait for it to be gone."""
     try:
@@ -98,3 +103,13 @@ def wait_for_phase(run: Path, proc: subprocess.Popen[str], phase: str,
         assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else proc.returncode
         time.sleep(0.5)
     raise AssertionError(f"no {phase} phase in {run}/record.json after {timeout:.0f} s")
+
+
+if __name__ == "__main__":
+    # `.ci/run` builds the container tests' CPU image while the engine environment installs (pip
+    # keeps one core busy there, the build the other): `python tests/helpers.py image-args LOCAL
+    # REGISTRY` pushes the base and prints the tests' own image options for `nox -s image`.
+    _, command, local_base, registry = sys.argv
+    if command != "image-args":
+        raise SystemExit(f"unknown command {command}: image-args LOCAL REGISTRY")
+    print(" ".join(image_args(registry_base(os.environ["DOCKER_HOST"], local_base, registry))))

@@ -352,6 +352,11 @@ def test_unchanged_inputs_are_not_rebuilt(docker_host: str, base_image: str, cpu
     assert again == tag and engine.client.images.get(tag).attrs["Created"] == created, "rebuilt"
     assert base == base_image and pinned, "CI builds FROM a registry digest"
     print(f"second build with unchanged inputs: {seconds:.2f}s")  # target in benchmarks/
+    # `python -m validate image` (`nox -s image`, what .ci/run builds ahead with) finds it too
+    r = subprocess.run([sys.executable, "-m", "validate", "image", *image_args(base_image)],
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == tag, r.stdout + r.stderr
+    assert engine.client.images.get(tag).attrs["Created"] == created, "rebuilt"
 
 
 def test_the_cpu_image_installs_a_current_hashed_lock() -> None:

