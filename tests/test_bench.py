@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from helpers import ROOT
 
 from validate import contract, profiles, prompt_sets, record
-from validate.e2e import bench, bench_client, serving
+from validate.e2e import bench, bench_client, host_probe, serving
 
 
 def _point(server: str, c: int, repeat: int, tok_s: float, tpot: float, **extra) -> dict:
@@ -102,10 +103,11 @@ def test_a_gpu_sweep_point_sends_16_waves_after_one_wave_of_warm_up_and_the_cpu_
     assert {"--num-prompts=1024", "--num-warmups=64", "--disable-shuffle"} <= set(argv), argv
 
 
-def test_on_a_gpu_host_the_servers_and_the_client_get_cpus_of_their_own() -> None:
+def test_on_a_gpu_host_the_servers_the_client_and_the_host_probe_get_cpus_of_their_own() -> None:
     cuda, cpu = profiles.get("tiny-cuda"), profiles.get("tiny")
-    assert bench.cpu_split(cuda, set(range(16))) == (frozenset(range(12)), frozenset(range(12, 16)))
-    assert bench.cpu_split(cuda, set(range(8))) == (frozenset(range(6)), frozenset({6, 7}))
+    assert bench.cpu_split(cuda, set(range(16))) == (frozenset(range(12)), frozenset(range(12, 15)),
+                                                     15)
+    assert bench.cpu_split(cuda, set(range(8))) == (frozenset(range(6)), frozenset({6, 7}), None)
     assert bench.cpu_split(cuda, set(range(4))) is None  # too few to split
     assert bench.cpu_split(cpu, set(range(64))) is None  # the CPU engine computes on all
 
@@ -130,6 +132,42 @@ def test_a_point_whose_repeats_spread_more_than_the_profile_allows_is_shown_as_n
     text = "\n".join(record.bench_md({**SECTION, "points": points, "summary": rows,
                                       "max_spread": 0.05}))
     assert "spread above 5% between repeats at concurrency 4: those figures" in text, text
+
+
+def test_the_host_probe_times_its_work_and_each_point_reads_its_own_window(tmp_path: Path) -> None:
+    """The probe for real (a process of its own, as on a GPU host, ended with SIGTERM), then a
+    point's figures from the samples inside its window only."""
+    samples = tmp_path / "probe.txt"
+    probe = subprocess.Popen([sys.executable, "-m", "validate.e2e.host_probe", str(samples)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(samples.read_text().splitlines() if samples.exists() else []) < 3:
+            assert probe.poll() is None and time.monotonic() < deadline, "the probe wrote nothing"
+            time.sleep(0.1)
+    finally:
+        probe.terminate()
+        assert probe.wait(timeout=30) == 0, "SIGTERM ends the probe cleanly"
+    at, work_ms, clock = samples.read_text().splitlines()[0].split()
+    assert float(at) > 0 and float(work_ms) > 0, "epoch seconds and the work's milliseconds"
+    assert clock == "-", "no card here: the host's pace alone"
+    (tmp_path / "w.txt").write_text("10.0 2.0 1980\n11.0 4.0 1755\n12.0 3.0 1980\n20.0 9.0 900\n21.0 9")
+    window = host_probe.window(tmp_path / "w.txt", 10.0, 12.5)
+    assert window == {"probe_ms": 3.0, "sm_clock_mhz": 1980.0}, "medians of the window's samples"
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"output_throughput": 100.0, "completed": 4}))
+    point = bench._point(1, {"wall_s": 2.5, "start": 19.5, "end": 22.0, "error": None}, result,
+                         tmp_path / "log", tmp_path / "w.txt")
+    assert point["probe_ms"] == 9.0 and point["sm_clock_mhz"] == 900.0, "a cut line is skipped"
+
+
+def test_a_noisy_point_says_whether_the_host_moved_with_it() -> None:
+    points = [_point("reference", 4, r, v, 5.0, probe_ms=p)
+              for r, v, p in ((1, 300.0, 2.0), (2, 330.0, 2.2), (3, 310.0, 2.1))]
+    points += [_point("speculative", 4, r, v, 4.0, probe_ms=2.0) for r, v in ((1, 400.0), (2, 401.0))]
+    rows = bench.summarize(points, max_spread=0.05)
+    text = "\n".join(record.bench_md({**SECTION, "points": points, "summary": rows}))
+    assert "at 4: reference throughput 10% apart, the host's pace 10%; speculative throughput 0% " \
+           "apart, the host's pace 0%" in text, text
 
 
 def test_the_client_reports_the_share_of_cpu_time_the_host_stole() -> None:

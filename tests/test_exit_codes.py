@@ -154,6 +154,8 @@ def test_interrupted_130_the_engine_records_it_and_stops(pair, tmp_path: Path, s
     rec = _record(run)
     assert rec["status"] == "interrupted" and rec["error"]["kind"] == "interrupted", rec["error"]
     assert rec["error"]["where"].startswith("reference_engine"), rec["error"]
+    assert rec["error"]["traceback"], ("the engine side did not record it: the host ended the "
+                                       f"run after its 60 s ({rec['error']['message']})")
     assert '<error type="' in (run / "junit.xml").read_text()
     assert not _alive(procs), f"processes left behind: {_alive(procs)}"
 

@@ -111,10 +111,29 @@ def interrupt(signum: int, frame: object = None) -> None:
     raise KeyboardInterrupt
 
 
+# Set once the run's own code has the interruption (``is_interrupt`` said so): until then a
+# library may have swallowed it (vLLM's zmq_socket_ctx catches KeyboardInterrupt during an engine's
+# start at TP > 1, then waits up to 600 s for the engine core that the same Ctrl-C ended).
+_taken: list[bool] = []
+
+
+def signalled() -> bool:
+    """Whether a signal has reached the run's handler (``interrupt``) yet."""
+    return bool(_signalled)
+
+
+def interrupt_pending() -> bool:
+    """A signal reached the handler, but no code of the run has handled the interruption yet."""
+    return bool(_signalled) and not _taken
+
+
 def is_interrupt(exc: BaseException) -> bool:
     """Whether ``exc`` ends the run as interrupted: a KeyboardInterrupt, or any error raised after
     a signal reached the run (``interrupt``)."""
-    return isinstance(exc, KeyboardInterrupt) or bool(_signalled)
+    if isinstance(exc, KeyboardInterrupt) or _signalled:
+        _taken.append(True)
+        return True
+    return False
 
 
 def error_kind(exc: BaseException) -> ErrorKind:

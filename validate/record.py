@@ -174,8 +174,10 @@ class RunRecord:
     def fail(self, exc: BaseException, *, where: str = "") -> None:
         """End the run on an error (not a verdict): its kind (the contract's), what failed, where,
         and the traceback."""
-        self.end(contract.error_kind(exc), f"{exc}", where=getattr(exc, "where", None) or where,
-                 type_=type(exc).__name__,
+        kind, where = contract.error_kind(exc), getattr(exc, "where", None) or where
+        message = f"{exc}" or (f"interrupted during {where or 'the run'} (Ctrl-C or SIGTERM)"
+                               if kind == contract.ErrorKind.INTERRUPTED else type(exc).__name__)
+        self.end(kind, message, where=where, type_=type(exc).__name__,
                  trace="".join(traceback.format_exception(exc))[-8000:])
 
     def end(self, kind: contract.ErrorKind, message: str, *, where: str = "",
@@ -297,6 +299,20 @@ def _fig(row: dict[str, Any], fig: str, fmt: str) -> str:
     return f"{row[fig]:{fmt}} ±{row.get(fig + '_spread', 0):.0%}"
 
 
+def _host_pace(row: dict[str, Any]) -> str:
+    """What the host probe saw over a point's repeats (validate/e2e/host_probe.py): how far the
+    host's own pace and the card's SM clock moved, beside the throughput's spread."""
+    said = []
+    for label in ("reference", "speculative"):
+        s = row[label]
+        if "probe_ms_spread" in s:
+            clock = (f", the SM clock {s['sm_clock_mhz_spread']:.0%}"
+                     if "sm_clock_mhz_spread" in s else "")
+            said.append(f"{label} throughput {s.get('output_throughput_spread', 0):.0%} apart, "
+                        f"the host's pace {s['probe_ms_spread']:.0%}{clock}")
+    return "; ".join(said)
+
+
 def bench_md(bench: dict[str, Any] | None) -> list[str]:
     """The serving bench's table (medians over the repeats, ± their spread: (max - min) /
     median), acceptance per category, the failed points, the plot."""
@@ -328,11 +344,13 @@ def bench_md(bench: dict[str, Any] | None) -> list[str]:
             lines.append(f"| {name} | {c['prompts']} | {c['mean_acceptance_length']:.2f} | "
                          f"{', '.join(f'{r:.2f}' for r in c['per_position_rate'])} |")
     notes = []
-    unsteady = [str(row["concurrency"]) for row in bench["summary"] if row.get("steady") is False]
+    unsteady = [row for row in bench["summary"] if row.get("steady") is False]
     if unsteady:
         notes.append(f"- throughput spread above {bench.get('max_spread', 0.05):.0%} between "
-                     f"repeats at concurrency {', '.join(unsteady)}: those figures and their "
-                     "speed-up hold only to within that spread")
+                     f"repeats at concurrency {', '.join(str(r['concurrency']) for r in unsteady)}"
+                     ": those figures and their speed-up hold only to within that spread")
+        notes += [f"  - at {row['concurrency']}: {_host_pace(row)}" for row in unsteady
+                  if _host_pace(row)]
     notes += [f"- failed point: {p['server']} at concurrency {p['concurrency']}, repeat "
               f"{p['repeat']}: {p['failed'][:300]}" for p in bench["points"] if "failed" in p]
     if bench.get("left_out"):

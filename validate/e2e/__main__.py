@@ -66,6 +66,39 @@ def _watch_the_kit() -> None:
     os._exit(int(Exit.INTERRUPTED))
 
 
+def _signals_reach_the_main_thread() -> None:
+    """Ctrl-C must reach the run's own code, which records it. Two things stood in its way:
+    - The kernel delivers a process's signal to any of its threads, and Python runs the handler
+      on the main thread only, once that thread runs Python again: a signal that lands on one of
+      vLLM's threads while the main thread waits in a system call is not seen.
+    - vLLM's ``zmq_socket_ctx`` catches KeyboardInterrupt (it logs it at debug level and goes on):
+      at TP > 1, a Ctrl-C during an engine's start was swallowed there, and the main thread then
+      waited up to VLLM_ENGINE_READY_TIMEOUT_S (600 s) for the engine core that the same Ctrl-C
+      had ended (seen with py-spy and strace; the kit ended the script after its 60 s).
+    Python's C-level handler writes each signal's number to the wakeup fd on whatever thread it
+    lands. This thread reads it and aims the signal at the main thread until the handler has run
+    (``contract.signalled``), then SIGINT once a second until the run's own code has the
+    interruption (``contract.interrupt_pending``). The aimed signals write to the fd too: they
+    are read and found handled."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def forward() -> None:
+        while got := os.read(read, 64):
+            time.sleep(0.2)  # the main thread's own chance to run the handler
+            if not contract.signalled() and callable(signal.getsignal(got[-1])):
+                signal.pthread_kill(main, got[-1])
+                time.sleep(0.2)
+            while contract.interrupt_pending():
+                signal.pthread_kill(main, signal.SIGINT)
+                time.sleep(1.0)
+
+    threading.Thread(target=forward, name="signal-forward", daemon=True).start()
+
+
 def _end_record(message: str) -> None:
     """End this run's record as interrupted, if it is still running (the run folder from argv)."""
     argv = sys.argv[1:]
@@ -80,6 +113,7 @@ def _end_record(message: str) -> None:
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, contract.interrupt)
+    _signals_reach_the_main_thread()
     threading.Thread(target=_watch_the_kit, name="kit-watch", daemon=True).start()
     code = pytest.main([str(SCRIPT), "-p", "no:cacheprovider", "-s", "-q", *sys.argv[1:]])
     if os.getppid() != PARENT:

