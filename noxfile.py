@@ -64,7 +64,7 @@ def host_side(session: nox.Session, *command: str) -> None:
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The CI tier: every real path once (one shared TP=8 rehearsal, one container run, --full,
-    the sensitivity suite's CI subset). Fast tier: `nox -s tests -- -m "not e2e"`."""
+    the sensitivity suite's CI subset). Fast tier: `nox -s tests -- -m "not e2e" -n 2`."""
     session.run(engine_python(session), "-m", "pytest", *session.posargs,
                 env={"KIT_TEST_TIER": "ci"})
 
