@@ -210,9 +210,9 @@ def cpu_image(_prebuild: _Prebuild | None, base_image: str) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The CI tier leaves out the full tier's cases (deselected, not skipped: CI fails on a skip).
     Order: the tests without an engine first (a broken verdict or record fails in minutes, and
-    they are single-threaded while the CPU image builds in the background from the session's
-    start: the two share the 2 cores instead of a 2-thread engine run and the build fighting for
-    them), then the engine tests, then the Docker tests (the image is there by then)."""
+    they are single-threaded while the tiny pair is generated beside them, and, outside CI, the
+    CPU image builds in the background: CI's .ci/run builds it while the engine environment
+    installs), then the engine tests, then the Docker tests (the image is there by then)."""
     if TIER != "full":
         full = [item for item in items if item.get_closest_marker("full")]
         if full:

@@ -282,6 +282,8 @@ def test_sigkill_of_the_kit_leaves_nothing_running_and_the_next_run_says_so(
     assert not _alive(procs), f"processes left behind: {_alive(procs)}"
     rec = _record(run)
     assert rec["status"] == "interrupted" and "is gone" in rec["error"]["message"], rec
+    assert "did not stop within" not in rec["error"]["message"], (
+        "the script's own code did not record it: its watcher ended it after the grace period")
     nxt = tmp_path / "next"
     r = _kit("rehearse", "--tp", "1", "--golden", "none", "--target", str(models.target),
              "--draft", str(models.head), "--run-dir", str(nxt))

@@ -46,7 +46,8 @@ step() {  # step NAME COMMAND...: run it, log it, keep its records
     cp "$(dirname "$rec")"/summary.md "$dir/$sub/" 2>/dev/null
     python3 -c "import json,sys;r=json.load(open(sys.argv[1]));[r.pop(k,None) for k in ('outputs','reference_outputs','raw_counters')];json.dump(r,open(sys.argv[2],'w'),indent=1)" "$rec" "$dir/$sub/record.json"
   done
-  cp runs/"$name"/compare.md runs/"$name"/*.png runs/"$name"/sensitivity.* "$dir/$name/" 2>/dev/null
+  cp runs/"$name"/compare.md runs/"$name"/*.png runs/"$name"/sensitivity.* runs/"$name"/bench/*-host-probe.txt \
+    "$dir/$name/" 2>/dev/null
   return $rc
 }
 b=validate/data/breakages
@@ -60,7 +61,9 @@ step quantize-attn python3 -m validate.quantize --variant target-fp8-attn
 # starts instead of calibrate's 6 and two judged runs
 step sens-attn python3 -m validate sensitivity --profile tiny-fp8-attn --tp 1 \
   --only fp8-qk-scales-not-permuted --only fp8-moe-shard-scales-swapped --run-dir runs/sens-attn
-step bench-cuda python3 -m validate bench --profile tiny-cuda --tp 1 --run-dir runs/bench-cuda
+# BENCH_ARGS: more options for it (a shorter sweep: --concurrency 1,4)
+# shellcheck disable=SC2086
+step bench-cuda python3 -m validate bench --profile tiny-cuda --tp 1 --run-dir runs/bench-cuda ${BENCH_ARGS:-}
 step fp8-clean python3 -m validate rehearse --profile tiny-fp8 --tp 1 --golden "$fp8" \
   --run-dir runs/fp8-clean
 if [ $? = 2 ]; then  # this host's pair is not the golden's: calibrate it here

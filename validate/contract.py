@@ -102,13 +102,21 @@ class EnvironmentProblem(KitError, RuntimeError):
 # sets up its config, was seen to turn a Ctrl-C into a SchemaError, and the run then read as
 # broken (exit 4) instead of interrupted (exit 130).
 _signalled: list[int] = []
+_why: list[str] = []  # what the first interruption said, where it said more than Ctrl-C
 
 
 def interrupt(signum: int, frame: object = None) -> None:
     """Signal handler of a run for SIGINT and SIGTERM: remembers the signal, then raises
-    KeyboardInterrupt (Ctrl-C's path)."""
+    KeyboardInterrupt (Ctrl-C's path), saying why where ``interrupt_because`` was told."""
     _signalled.append(signum)
-    raise KeyboardInterrupt
+    raise KeyboardInterrupt(*_why[:1])
+
+
+def interrupt_because(signum: int, why: str) -> None:
+    """``interrupt`` with its reason, kept for the same signal aimed again (the end-to-end
+    script's main thread, until its own code has the interruption)."""
+    _why.append(why)
+    interrupt(signum)
 
 
 # Set once the run's own code has the interruption (``is_interrupt`` said so): until then a

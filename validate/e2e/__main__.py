@@ -32,8 +32,8 @@ GRACE_S = 30  # for the script to record the interruption and stop its engine, o
 def _interrupt(signum: int, frame: object) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one would cut the cleanup
     if os.getppid() != PARENT:
-        raise KeyboardInterrupt(f"the kit that started this run (process {PARENT}) is gone "
-                                "(killed with SIGKILL, or it crashed): the run stops here")
+        contract.interrupt_because(signum, f"the kit that started this run (process {PARENT}) is "
+                                   "gone (killed with SIGKILL, or it crashed): the run stops here")
     contract.interrupt(signum, frame)
 
 

@@ -1,15 +1,15 @@
 """The host's own pace during a serving bench: ``python -m validate.e2e.host_probe FILE``.
 
 Engine side, started by ``bench.sweep`` on a CPU of its own (GPU hosts, beside the servers' and
-the client's CPUs) and ended with SIGTERM. A small target's decode step is mostly host work
-(scheduler, sampler, detokenizer, HTTP), so where a point's repeats differ, the question is
-whether the host changed pace (another guest on the same physical cores, a lower clock) or vLLM
-did. The hypervisor's steal time does not answer it (a guest on the sibling hyperthread, or a
-socket-wide clock change, steals nothing), so this process times the same piece of pure-Python
-work (dict and integer operations, like the server's own per-step work) every ``PERIOD_S`` and
-reads the card's SM clock through NVML where there is a card. Each sample is one line of FILE:
-``epoch_s work_ms sm_mhz`` (``-`` where there is no card), appended and flushed, so a sweep point
-reads the samples of its own window (``window``) while the probe goes on.
+the client's CPUs) and ended with its sweep (SIGTERM ends it cleanly too). A small target's decode
+step is mostly host work (scheduler, sampler, detokenizer, HTTP), so where a point's repeats
+differ, the question is whether the host changed pace (another guest on the same physical cores, a
+lower clock) or vLLM did. The hypervisor's steal time does not answer it (a guest on the sibling
+hyperthread, or a socket-wide clock change, steals nothing), so this process times the same piece
+of pure-Python work (dict and integer operations, like the server's own per-step work) every
+``PERIOD_S`` and reads the card's SM clock through NVML where there is a card. Each sample is one
+line of FILE: ``epoch_s work_ms sm_mhz`` (``-`` where there is no card), appended and flushed, so
+a sweep point reads the samples of its own window (``window``) while the probe goes on.
 """
 
 from __future__ import annotations
