@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -44,7 +46,9 @@ def _pair_generation(request: pytest.FixtureRequest,
     """Starts the tiny pair's generation (minutes, when it is not cached) at the session's start,
     in a process of its own, when a selected test needs the pair: the tests without an engine,
     which run first and single-threaded, leave a core to it."""
-    if not any("pair" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    needs = ("pair", *JOBS)  # the suite-wide runs wait for it too
+    if not any(n in needs for item in request.session.items
+               for n in getattr(item, "fixturenames", ())):
         return None
     log = tmp_path_factory.mktemp("pair") / "synth.log"
     with open(log, "w") as out:
@@ -61,6 +65,111 @@ def pair(_pair_generation: tuple[subprocess.Popen, Path] | None):
         proc, log = _pair_generation
         assert proc.wait(timeout=3600) == 0, f"the tiny pair's generation failed:\n{log.read_text()[-3000:]}"
     return synth.ensure()
+
+
+class _Job:
+    """One suite-wide run (a subprocess of the kit, as a user types it) that starts beside the
+    tests instead of in its test's time. On 2 cores an engine run leaves about a third of the CPU
+    idle (single-threaded imports, waits): a second run beside it finishes both in about 70% of
+    their time one after the other (127 s alone, 180 s for two, measured on the AVX2 EPYC)."""
+
+    def __init__(self, name: str, argv: list[str], folder: Path) -> None:
+        self.name, self.argv, self.folder = name, argv, folder
+        self.log = folder.parent / f"{folder.name}.log"
+        self.done = threading.Event()
+        self.returncode: int | None = None
+        self.why_not = ""  # set when the job never started (its pair failed)
+        self.proc: subprocess.Popen | None = None
+
+    def run(self) -> None:
+        # KIT_TEST_JOB marks every process of the run (the kit passes its environment on to the
+        # engines and servers): a test asking what a run left behind asks about this one only.
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "KIT_TEST_JOB": self.name},
+                                         start_new_session=True)
+            self.returncode = self.proc.wait()
+
+    def result(self) -> tuple[int, str]:
+        """(exit code, output) once the run has ended."""
+        assert self.done.wait(timeout=7200), f"{self.name} did not end within 2 hours"
+        assert not self.why_not, self.why_not
+        assert self.returncode is not None
+        return self.returncode, self.log.read_text()
+
+    def stop(self) -> None:
+        """SIGTERM to the run's process group (the kit stops its engines and records it), then
+        SIGKILL: a test session that ends early leaves nothing running."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+JOBS = ("sensitivity_suite", "bench_tp2")
+
+
+def _jobs(tmp: Path) -> dict[str, _Job]:
+    """The suite-wide runs, by the name of the fixture that hands out each one's result."""
+    sensitivity = tmp / "sensitivity" / "suite"
+    # The CI tier judges 50 prompts a run (CI's 30 minutes; every breakage of its subset still
+    # FAILs on them, the closest, head-qk-not-permuted, at 2.6 tolerances below its golden); the
+    # full tier the profile's 100.
+    fewer = ["--num-prompts", "50"] if TIER == "ci" else []
+    bench = tmp / "bench" / "bench-tp2"
+    return {
+        # `nox -s sensitivity` as a user runs it: the release, then the tier's breakages, TP=2
+        "sensitivity_suite": _Job("sensitivity_suite", [
+            "nox", "-s", "sensitivity", "--", "--run-dir", str(sensitivity), "--tier", TIER,
+            *fewer], sensitivity),
+        # the serving bench as README gives it, at TP=2 for CI's 30 minutes: 10 of the 100
+        # verdict prompts, concurrency 2 and 4 (1 is the sweep's slowest point on 2 cores; the
+        # full tier's TP=8 bench runs the profile's 1 and 4)
+        "bench_tp2": _Job("bench_tp2", [
+            sys.executable, "-m", "validate", "bench", "--profile", "tiny", "--run-dir", str(bench),
+            "--tp", "2", "--num-prompts", "10", "--concurrency", "2,4"], bench),
+    }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                _pair_generation: tuple[subprocess.Popen, Path] | None) -> Iterator[dict[str, _Job]]:
+    """Starts the suite-wide runs that selected tests need, one after the other in a thread of
+    their own, as soon as the tiny pair is there; the tests that read them run last among the
+    engine tests (pytest_collection_modifyitems), while the others run beside them."""
+    names = {n for item in request.session.items for n in getattr(item, "fixturenames", ())}
+    jobs = {name: job for name, job in _jobs(tmp_path_factory.mktemp("jobs")).items()
+            if name in names}
+
+    ending = threading.Event()  # the session ends: start nothing more
+
+    def work() -> None:
+        failed = _pair_generation is not None and _pair_generation[0].wait() != 0
+        for job in jobs.values():
+            try:
+                if failed or ending.is_set():
+                    job.why_not = (f"{job.name} did not start: "
+                                   + ("the tiny pair's generation failed" if failed else
+                                      "the session ended first"))
+                else:
+                    job.run()
+            except OSError as exc:
+                job.why_not = f"{job.name} could not start: {exc}"
+            finally:
+                job.done.set()
+
+    if jobs:
+        threading.Thread(target=work, name="suite-runs", daemon=True).start()
+    yield jobs
+    ending.set()
+    for job in jobs.values():
+        job.stop()
 
 
 @pytest.fixture(scope="session")
@@ -80,22 +189,27 @@ def host_rehearsal_tp8(pair) -> tuple[int, dict, str]:
 
 
 @pytest.fixture(scope="session")
-def sensitivity_suite(pair, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+def sensitivity_suite(_background: dict[str, _Job]) -> tuple[int, str, Path]:
     """`nox -s sensitivity` as a user runs it (the release, then the breakages of the tier, TP=2),
-    once per test run: its golden also serves `compare --baseline-golden`. The tier is
-    ``KIT_TEST_TIER`` (`nox -s tests`: ci, the catalogue's CI subset; `nox -s tests_full`: full).
-    (exit code, output, the suite's folder)."""
+    once per test run, beside the other tests: its golden also serves `compare
+    --baseline-golden`. The tier is ``KIT_TEST_TIER`` (`nox -s tests`: ci, the catalogue's CI
+    subset; `nox -s tests_full`: full). (exit code, output, the suite's folder)."""
     pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
-    run = tmp_path_factory.mktemp("sensitivity") / "suite"
-    # The CI tier judges 50 prompts a run (CI's 30 minutes; every breakage of its subset still
-    # FAILs on them, the closest, head-qk-not-permuted, at 2.6 tolerances below its golden); the full
-    # tier the profile's 100.
-    fewer = ["--num-prompts", "50"] if TIER == "ci" else []
-    r = subprocess.run(["nox", "-s", "sensitivity", "--", "--run-dir", str(run), "--tier", TIER,
-                        *fewer],
-                       cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False)
-    assert (run / "sensitivity.json").is_file(), (r.stdout + r.stderr)[-4000:]
-    return r.returncode, r.stdout + r.stderr, run
+    job = _background["sensitivity_suite"]
+    code, out = job.result()
+    assert (job.folder / "sensitivity.json").is_file(), out[-4000:]
+    return code, out, job.folder
+
+
+@pytest.fixture(scope="session")
+def bench_tp2(_background: dict[str, _Job]) -> tuple[int, dict, str, Path]:
+    """`python -m validate bench --profile tiny --tp 2`, beside the other tests:
+    (exit code, record, output, run folder)."""
+    pytest.importorskip("vllm", reason="needs vLLM's CPU build (nox -s tests installs it)")
+    job = _background["bench_tp2"]
+    code, out = job.result()
+    assert (job.folder / "record.json").is_file(), out[-4000:]
+    return code, json.loads((job.folder / "record.json").read_text()), out, job.folder
 
 
 @pytest.fixture(scope="session")
@@ -207,19 +321,31 @@ def cpu_image(_prebuild: _Prebuild | None, base_image: str) -> str:
     return _prebuild.tag
 
 
+def _order(item: pytest.Item) -> tuple[int, bool, bool]:
+    """Where a test runs in the session (see pytest_collection_modifyitems)."""
+    names = getattr(item, "fixturenames", ())
+    e2e = item.get_closest_marker("e2e") is not None
+    if any(job in names for job in JOBS):
+        return 3, False, False
+    if "base_image" in names:  # Docker: the image builds beside everything before
+        return 2, e2e, False
+    return (0, False, "pair" not in names) if e2e else (1, False, False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The CI tier leaves out the full tier's cases (deselected, not skipped: CI fails on a skip).
-    Order: the tests without an engine first (a broken verdict or record fails in minutes, and
-    they are single-threaded while the tiny pair is generated beside them, and, outside CI, the
-    CPU image builds in the background: CI's .ci/run builds it while the engine environment
-    installs), then the engine tests, then the Docker tests (the image is there by then)."""
+    Order, for CI's 30 minutes on 2 cores: the engine tests that need the tiny pair first (they
+    wait while it is generated: its training uses both cores, and tests beside it doubled its
+    time, 315 s alone and 635 s beside them on the AVX2 EPYC), then the other engine tests, the
+    tests without an engine and the Docker tests (their CPU image builds beside everything
+    before, in `.ci/run` or in _prebuild), all beside the suite-wide runs (_background) that
+    start once the pair is there; the tests that read those runs last."""
     if TIER != "full":
         full = [item for item in items if item.get_closest_marker("full")]
         if full:
             config.hook.pytest_deselected(items=full)
             items[:] = [item for item in items if not item.get_closest_marker("full")]
-    items.sort(key=lambda item: ("base_image" in getattr(item, "fixturenames", ()),
-                                 item.get_closest_marker("e2e") is not None))
+    items.sort(key=_order)
 
 
 # Wall time per test file, printed at the end of every run: CI's budget (30 minutes on 2 cores) is

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from validate import vllm_change
-from validate.contract import Exit
+from validate.contract import BadInput, Exit
+from validate.files import state_dir
 
 BREAKAGES = Path(vllm_change.__file__).parent / "data" / "breakages"  # the sensitivity catalogue
 BREAKING = BREAKAGES / "head-input-order.patch"  # the head's fc gets [hidden, embeds] swapped
@@ -59,6 +61,19 @@ def test_a_change_that_cannot_run_is_refused_before_any_engine(vllm_here, tmp_pa
     r = _kit("--tp", "1", "--vllm-patch", str(patch), "--run-dir", str(run))
     assert r.returncode == Exit.BAD_INPUT and says in r.stderr, r.stderr[-2000:]
     assert not run.exists(), "refused before a run folder, a pair or an engine"
+
+
+def test_a_stale_patch_is_refused_in_seconds_without_an_overlay(vllm_here, tmp_path: Path) -> None:
+    """What the sensitivity suite checks of every breakage before its release's minutes: the
+    same refusal as a run's, and no mirror of vLLM made for it."""
+    patch, says = _bad_patches(tmp_path)["does-not-apply"]
+    overlays = state_dir() / "vllm-overlays"
+    before = sorted(overlays.iterdir()) if overlays.is_dir() else []
+    with pytest.raises(BadInput, match=re.escape(says)):
+        vllm_change.check_applies(patch, sys.executable)
+    assert (sorted(overlays.iterdir()) if overlays.is_dir() else []) == before
+    assert vllm_change.check_applies(BREAKING, sys.executable) == [
+        "vllm/model_executor/models/llama4_eagle.py"]
 
 
 def test_a_patch_becomes_an_overlay_and_the_release_is_untouched(vllm_here) -> None:
@@ -151,8 +166,8 @@ def test_every_breakage_of_the_catalogue_applies_to_the_pinned_vllm(vllm_here) -
         b.name for b in catalogue if b.kind == "quantization"}, "quantized-path breakages say so"
     hunks = set()
     for b in catalogue:
-        change = vllm_change.from_patch(b.patch, sys.executable)
-        assert change.files_changed and all(f.startswith("vllm/") for f in change.files_changed)
+        files = vllm_change.check_applies(b.patch, sys.executable)  # runs build their overlays
+        assert files and all(f.startswith("vllm/") for f in files)
         hunks.add(b.patch.read_text().split("@@", 2)[2])
     assert len(hunks) == len(catalogue), "two breakages change the same lines"
 

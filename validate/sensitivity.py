@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import tomllib
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from validate import compare
+from validate import compare, vllm_change
 from validate.contract import BadInput, Exit
 from validate.files import atomic_write
 
@@ -131,6 +132,9 @@ def run(args: argparse.Namespace, log: Any = print) -> tuple[list[Outcome], Exit
     """The suite; returns each run's outcome (the release first) and the suite's exit code."""
     profile, sized = compare.sized_profile(args)
     breakages = chosen(args.only, getattr(args, "tier", "full"), profile.quantized_modules)
+    if profile.generated and not getattr(args, "container", False):
+        for b in breakages:  # on this host: a stale patch is refused before the release's minutes
+            vllm_change.check_applies(b.patch, sys.executable)
     base = compare.suite_folder(args, "sensitivity", profile.tensor_parallel_size)
     started = time.monotonic()
     code, rec, seconds, golden_path = compare.release_baseline(base, sized, log)

@@ -269,6 +269,20 @@ def from_patch(patch: Path, python: str) -> VllmUnderTest:
                          overlay=str(overlay), cache_root=str(state_dir() / "vllm-cache" / key))
 
 
+def check_applies(patch: Path, python: str) -> list[str]:
+    """The files ``patch`` changes, once it is known to apply to the release installed for
+    ``python`` (else BadInput, as a run would say): only the patch's own files are copied and
+    patched, in a scratch folder (a second, where an overlay mirrors all of vLLM), so a suite
+    refuses a stale patch before its first run's minutes."""
+    _, files = check_patch(patch)
+    package, version = installed(python)
+    with tempfile.TemporaryDirectory(prefix="kit-patch-check-") as tmp:
+        tree = Path(tmp)
+        _copy_files(package.parent, [f for f in files if (package.parent / f).is_file()], tree)
+        _apply_patch(tree, Path(patch), version)
+    return files
+
+
 def cache_env(change: VllmUnderTest) -> dict[str, str]:
     """The engine side's environment for ``change``: the overlay first on the import path, and
     vLLM's and inductor's caches in a folder of its own (compiled graphs of another vLLM must never
