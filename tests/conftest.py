@@ -80,16 +80,20 @@ class _Job:
         self.returncode: int | None = None
         self.why_not = ""  # set when the job never started (its pair failed)
         self.proc: subprocess.Popen | None = None
+        self.seconds: float | None = None  # its wall time, once it has ended
 
     def run(self) -> None:
         # KIT_TEST_JOB marks every process of the run (the kit passes its environment on to the
         # engines and servers): a test asking what a run left behind asks about this one only.
         self.folder.parent.mkdir(parents=True, exist_ok=True)
+        _SUITE_RUNS.append(self)
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                          env={**os.environ, "KIT_TEST_JOB": self.name},
                                          start_new_session=True)
+            started = time.monotonic()
             self.returncode = self.proc.wait()
+            self.seconds = time.monotonic() - started
 
     def result(self) -> tuple[int, str]:
         """(exit code, output) once the run has ended."""
@@ -113,6 +117,7 @@ class _Job:
 
 
 JOBS = ("sensitivity_suite", "bench_tp2")
+_SUITE_RUNS: list[_Job] = []  # for the time table at the end
 
 
 def _jobs(tmp: Path) -> dict[str, _Job]:
@@ -375,6 +380,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
     terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  total")
+    for job in _SUITE_RUNS:  # their tests only read them: their time is not in a file's
+        ran = f"{job.seconds:8.1f}" if job.seconds is not None else "   (cut)"
+        terminalreporter.write_line(f"{ran}  {job.name}: beside the tests above, exit "
+                                    f"{job.returncode} ({job.log})")
     if _SKIPPED and os.environ.get("KIT_FAIL_ON_SKIP") == "1":
         terminalreporter.section("skipped tests fail this run (KIT_FAIL_ON_SKIP=1)", red=True)
         for nodeid in _SKIPPED:

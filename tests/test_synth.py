@@ -13,6 +13,18 @@ pytestmark = pytest.mark.e2e  # the generated pair: engine side, minutes to buil
 torch = pytest.importorskip("torch", reason="the generator runs on the engine side (nox -s tests)")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> object:
+    """These replays run in the test process beside the suite-wide engine runs (conftest.py's
+    _background): torch's two threads each wait for the other at every operation while a core is
+    taken, so one test took 101 s of CI's time (8 s alone on two threads, 10 s on one); on one
+    thread it does not wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def target(pair):
     from transformers import AutoTokenizer, Llama4ForCausalLM
