@@ -63,7 +63,7 @@ def small_golden(pair, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return golden
 
 
-@pytest.mark.full  # two engines (64 s on 2 cores); in the CI tier head-qk-not-permuted
+@pytest.mark.full  # two engines (64 s on 2 cores); in the CI tier head-final-norm-skipped
 # (test_sensitivity) fails on acceptance with matching outputs, the floor is test_metrics'
 def test_random_head_matches_but_fails_on_acceptance(tmp_path: Path) -> None:
     """The seed's exact-match check alone would pass this head; the kit's verdict must not.

@@ -63,17 +63,18 @@ def test_a_change_that_cannot_run_is_refused_before_any_engine(vllm_here, tmp_pa
     assert not run.exists(), "refused before a run folder, a pair or an engine"
 
 
-def test_a_stale_patch_is_refused_in_seconds_without_an_overlay(vllm_here, tmp_path: Path) -> None:
+def test_a_stale_patch_is_refused_in_seconds_without_an_overlay(vllm_here, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """What the sensitivity suite checks of every breakage before its release's minutes: the
-    same refusal as a run's, and no mirror of vLLM made for it."""
+    same refusal as a run's, and no mirror of vLLM made for it (in a state folder of its own:
+    the shared one's overlays are made by other tests at the same time under -n 2)."""
     patch, says = _bad_patches(tmp_path)["does-not-apply"]
-    overlays = state_dir() / "vllm-overlays"
-    before = sorted(overlays.iterdir()) if overlays.is_dir() else []
+    monkeypatch.setenv("VALIDATE_CACHE", str(tmp_path / "state"))
     with pytest.raises(BadInput, match=re.escape(says)):
         vllm_change.check_applies(patch, sys.executable)
-    assert (sorted(overlays.iterdir()) if overlays.is_dir() else []) == before
     assert vllm_change.check_applies(BREAKING, sys.executable) == [
         "vllm/model_executor/models/llama4_eagle.py"]
+    assert not (state_dir() / "vllm-overlays").exists(), "an overlay was made to check a patch"
 
 
 def test_a_patch_becomes_an_overlay_and_the_release_is_untouched(vllm_here) -> None:
@@ -177,6 +178,20 @@ def test_sensitivity_refuses_an_unknown_breakage(tmp_path: Path) -> None:
                         "--run-dir", str(tmp_path / "s")], capture_output=True, text=True,
                        check=False)
     assert r.returncode == Exit.BAD_INPUT and "no breakage named nope" in r.stderr, r.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_breakage_of_tp_sharding_is_left_out_or_refused_at_tp_1(tmp_path: Path) -> None:
+    """At TP=1 the gather head-logits-not-gathered breaks is the identity: it would PASS and read
+    as a miss. The suite leaves it out at TP=1 and refuses it when named."""
+    from validate import sensitivity
+
+    assert "head-logits-not-gathered" not in {b.name for b in sensitivity.chosen(None, "full", (), 1)}
+    assert "head-logits-not-gathered" in {b.name for b in sensitivity.chosen(None, "full", (), 2)}
+    r = subprocess.run([sys.executable, "-m", "validate", "sensitivity", "--tp", "1", "--only",
+                        "head-logits-not-gathered", "--run-dir", str(tmp_path / "s")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == Exit.BAD_INPUT and "--tp 2" in r.stderr, r.stderr
     assert not (tmp_path / "s").exists()
 
 

@@ -39,9 +39,15 @@ class Breakage:
     # "any" (a quantization config at all), or a module kind of profiles.toml's
     # ``quantized_modules`` ("experts", "attention").
     quantized: str = ""
+    # The smallest tensor-parallel size at which the code this breaks runs (a gather across TP
+    # ranks is the identity at TP=1: the breakage would PASS there and read as a miss).
+    min_tp: int = 1
 
-    def fits(self, quantized_modules: tuple[str, ...]) -> bool:
-        """Whether the code this breaks runs on a target quantized in ``quantized_modules``."""
+    def fits(self, quantized_modules: tuple[str, ...], tp: int = 1) -> bool:
+        """Whether the code this breaks runs on a target quantized in ``quantized_modules``, at
+        tensor-parallel size ``tp``."""
+        if tp < self.min_tp:
+            return False
         if not self.quantized:
             return True
         return bool(quantized_modules) and self.quantized in ("any", *quantized_modules)
@@ -57,16 +63,22 @@ def catalogue() -> list[Breakage]:
 
 
 def chosen(only: list[str] | None, tier: str = "full",
-           quantized: tuple[str, ...] = ()) -> list[Breakage]:
+           quantized: tuple[str, ...] = (), tp: int = 1) -> list[Breakage]:
     """The breakages a suite runs: ``--only`` names (each must exist), else the tier's; those of
-    a quantized target's path only where the profile's target has those modules quantized
-    (elsewhere the code they break never runs, and their PASS would read as a miss)."""
+    a quantized target's path only where the profile's target has those modules quantized, those
+    of TP sharding only at a TP they need (elsewhere the code they break never runs, and their
+    PASS would read as a miss)."""
     every = catalogue()
     if only:
         unknown = set(only) - {b.name for b in every}
         if unknown:
             raise BadInput(f"no breakage named {', '.join(sorted(unknown))} in "
                            "validate/data/breakages.toml")
+        small = [b for b in every if b.name in only and tp < b.min_tp]
+        if small:
+            b = small[0]
+            raise BadInput(f"{b.name} breaks code that runs only at TP >= {b.min_tp} (at TP={tp} "
+                           f"it changes nothing); run it with --tp {b.min_tp} or more")
         unfit = [b for b in every if b.name in only and not b.fits(quantized)]
         if unfit:
             b = unfit[0]
@@ -76,7 +88,7 @@ def chosen(only: list[str] | None, tier: str = "full",
                            f"and this profile's target has {has} quantized; run it with "
                            f"--profile {where} (on a GPU)")
         return [b for b in every if b.name in only]
-    fit = [b for b in every if b.fits(quantized)]
+    fit = [b for b in every if b.fits(quantized, tp)]
     return [b for b in fit if b.ci] if tier == "ci" else fit
 
 
@@ -131,7 +143,12 @@ def _outcome(name: str, place: str, code: int, rec: dict | None, seconds: float,
 def run(args: argparse.Namespace, log: Any = print) -> tuple[list[Outcome], Exit]:
     """The suite; returns each run's outcome (the release first) and the suite's exit code."""
     profile, sized = compare.sized_profile(args)
-    breakages = chosen(args.only, getattr(args, "tier", "full"), profile.quantized_modules)
+    tp = profile.tensor_parallel_size
+    breakages = chosen(args.only, getattr(args, "tier", "full"), profile.quantized_modules, tp)
+    at_any_tp = chosen(None, getattr(args, "tier", "full"), profile.quantized_modules, 1 << 10)
+    left = [b.name for b in at_any_tp if b not in breakages] if not args.only else []
+    if left:
+        log(f"at TP={tp}, left out (they break code that runs at TP > 1 only): {', '.join(left)}")
     if profile.generated and not getattr(args, "container", False):
         for b in breakages:  # on this host: a stale patch is refused before the release's minutes
             vllm_change.check_applies(b.patch, sys.executable)
