@@ -188,6 +188,8 @@ def test_a_breakage_of_tp_sharding_is_left_out_or_refused_at_tp_1(tmp_path: Path
 
     assert "head-logits-not-gathered" not in {b.name for b in sensitivity.chosen(None, "full", (), 1)}
     assert "head-logits-not-gathered" in {b.name for b in sensitivity.chosen(None, "full", (), 2)}
+    assert sensitivity.left_out("full", (), 1) == ["head-logits-not-gathered"]
+    assert sensitivity.left_out("full", (), 2) == []
     r = subprocess.run([sys.executable, "-m", "validate", "sensitivity", "--tp", "1", "--only",
                         "head-logits-not-gathered", "--run-dir", str(tmp_path / "s")],
                        capture_output=True, text=True, check=False)

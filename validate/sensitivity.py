@@ -43,11 +43,8 @@ class Breakage:
     # ranks is the identity at TP=1: the breakage would PASS there and read as a miss).
     min_tp: int = 1
 
-    def fits(self, quantized_modules: tuple[str, ...], tp: int = 1) -> bool:
-        """Whether the code this breaks runs on a target quantized in ``quantized_modules``, at
-        tensor-parallel size ``tp``."""
-        if tp < self.min_tp:
-            return False
+    def fits(self, quantized_modules: tuple[str, ...]) -> bool:
+        """Whether the code this breaks runs on a target quantized in ``quantized_modules``."""
         if not self.quantized:
             return True
         return bool(quantized_modules) and self.quantized in ("any", *quantized_modules)
@@ -88,8 +85,18 @@ def chosen(only: list[str] | None, tier: str = "full",
                            f"and this profile's target has {has} quantized; run it with "
                            f"--profile {where} (on a GPU)")
         return [b for b in every if b.name in only]
-    fit = [b for b in every if b.fits(quantized, tp)]
+    return [b for b in _of_tier(tier, quantized) if tp >= b.min_tp]
+
+
+def _of_tier(tier: str, quantized: tuple[str, ...]) -> list[Breakage]:
+    fit = [b for b in catalogue() if b.fits(quantized)]
     return [b for b in fit if b.ci] if tier == "ci" else fit
+
+
+def left_out(tier: str, quantized: tuple[str, ...], tp: int) -> list[str]:
+    """The tier's breakages that ``tp`` is too small for: the suite says so instead of running
+    them (a suite at --tp 1 that counted them as misses would cry wolf)."""
+    return [b.name for b in _of_tier(tier, quantized) if tp < b.min_tp]
 
 
 @dataclass
@@ -143,10 +150,9 @@ def _outcome(name: str, place: str, code: int, rec: dict | None, seconds: float,
 def run(args: argparse.Namespace, log: Any = print) -> tuple[list[Outcome], Exit]:
     """The suite; returns each run's outcome (the release first) and the suite's exit code."""
     profile, sized = compare.sized_profile(args)
-    tp = profile.tensor_parallel_size
-    breakages = chosen(args.only, getattr(args, "tier", "full"), profile.quantized_modules, tp)
-    at_any_tp = chosen(None, getattr(args, "tier", "full"), profile.quantized_modules, 1 << 10)
-    left = [b.name for b in at_any_tp if b not in breakages] if not args.only else []
+    tp, tier = profile.tensor_parallel_size, getattr(args, "tier", "full")
+    breakages = chosen(args.only, tier, profile.quantized_modules, tp)
+    left = [] if args.only else left_out(tier, profile.quantized_modules, tp)
     if left:
         log(f"at TP={tp}, left out (they break code that runs at TP > 1 only): {', '.join(left)}")
     if profile.generated and not getattr(args, "container", False):
