@@ -11,7 +11,8 @@ over two, so this table says what a cut would save where the time table per test
 suite-wide runs overlap the tests).
 
 Hand-written on /proc (no psutil): it wraps `.ci/run` on a bare machine, before anything is
-installed. Processes that live less than a second are missed (a few seconds in all).
+installed. Processes that live less than a second are missed (a few seconds in all). Below the
+table, the cores busy minute by minute (the whole machine, from /proc/stat): where idle remains.
 """
 
 from __future__ import annotations
@@ -74,6 +75,21 @@ def sample(seen: dict[tuple[str, str], list]) -> None:
                 seen[key] = [cpu, what]
 
 
+def busy_jiffies() -> int:
+    """The machine's busy CPU time so far (/proc/stat: all but idle and iowait), in ticks."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]
+
+
+def timeline(minutes: list[float]) -> str:
+    """Cores busy per minute: where the run leaves CPU idle (a wait that nothing overlaps)."""
+    lines = ["", f"cores busy per minute (of {os.cpu_count() or 1}):"]
+    for i in range(0, len(minutes), 10):
+        row = " ".join(f"{m:4.2f}" for m in minutes[i:i + 10])
+        lines.append(f"{i:4d}-{min(i + 10, len(minutes)):<4d} {row}")
+    return "\n".join(lines) + "\n"
+
+
 def table(seen: dict[tuple[str, str], list], wall: float) -> str:
     totals: dict[str, float] = {}
     for cpu, what in seen.values():
@@ -99,16 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     before = {key: cpu for key, (cpu, _) in seen.items()}  # what ran before it is not its cost
     started = time.monotonic()
     proc = subprocess.Popen(command)
+    minutes: list[float] = []
+    mark, mark_busy = started, busy_jiffies()
     try:
         while proc.poll() is None:
             sample(seen)
             time.sleep(1)
+            if time.monotonic() - mark >= 60:
+                busy, now = busy_jiffies(), time.monotonic()
+                minutes.append((busy - mark_busy) / HZ / (now - mark))
+                mark, mark_busy = now, busy
     except KeyboardInterrupt:
         proc.terminate()
         proc.wait()
     for key, cpu in before.items():
         seen[key][0] -= cpu
-    text = table(seen, time.monotonic() - started)
+    text = table(seen, time.monotonic() - started) + timeline(minutes)
     args.out.write_text(text)
     sys.stdout.write(text)
     return proc.returncode

@@ -165,7 +165,7 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
                 raise IncompatibleModel("; ".join(problems))
             env = {**engines.environment(profile.device),
                    "vllm": engines.require_vllm(profile.device, profile.device_note),
-                   "env_set": engines.prepare_process_env(profile)}
+                   "env_set": engines.prepare_process_env(profile, serving)}
             rec.update(environment=env)
             if profile.nodes > 1:  # every node checked before anything heavy
                 from validate.e2e import nodes
