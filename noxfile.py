@@ -45,10 +45,10 @@ def engine_python(session: nox.Session) -> str:
     # run_install: these also run under `nox -s tests --install-only` (.ci/run installs first,
     # while its Docker engine and base image are made beside it)
     session.run_install(sys.executable, "-m", "venv", str(ENGINE_VENV))
-    # --no-compile: pip would compile all ~26,600 modules of the environment (332 MB of source,
-    # about 95 CPU-seconds on the AVX2 EPYC); Python compiles and caches the few thousand that
-    # vLLM imports on first use instead.
-    pip = (python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile")
+    # pip compiles every module it installs (~26,600 here, about 95 CPU-seconds on the AVX2 EPYC)
+    # and that stays: where PYTHONDONTWRITEBYTECODE is set (CI machines set it) nothing compiled
+    # on import is kept, and each vLLM process would compile its few thousand modules again.
+    pip = (python, "-m", "pip", "install", "-q", "--disable-pip-version-check")
     session.run_install(*pip, *CPU_TORCH)
     session.run_install(*pip, "-r", "requirements/cpu-engine.txt")
     session.run_install(python, "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE)
