@@ -36,6 +36,11 @@ def test_the_sensitivity_suite_catches_every_breakage(sensitivity_suite,
     assert not wrong, f"judged other than expected (a missed breakage, or a control that cried wolf): {wrong}"
     assert all(o["verdict"] in ("PASS", "FAIL", "ERROR") for o in outcomes.values()), outcomes
     assert code == 0 and report["missed"] == [], output[-3000:]
+    if TIER == "ci":  # at TP=1 (tests/conftest.py): each engine in its script's own process
+        for folder in ("release", *expected):
+            rec = json.loads((run / folder / "record.json").read_text())
+            env_set = rec["environment"]["env_set"]
+            assert env_set.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", (folder, env_set)
     caught = {part for o in outcomes.values() for part in o["caught_by"].split(", ") if part}
     assert caught >= {"acceptance", "divergences", "counters"}, (
         f"every part of the verdict caught a breakage: {caught}")
