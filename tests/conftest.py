@@ -219,11 +219,28 @@ def bench_tp2(_background: dict[str, _Job]) -> tuple[int, dict, str, Path]:
     return code, json.loads((job.folder / "record.json").read_text()), out, job.folder
 
 
+def _wait_for_ci_docker() -> None:
+    """`.ci/run` starts its Docker engine and makes the base image beside the tests (the Docker
+    tests come last): it touches KIT_DOCKER_READY when both are there, or writes its setup's
+    status to KIT_PREBUILT_IMAGE when the setup ended without them."""
+    ready, status = os.environ.get("KIT_DOCKER_READY"), os.environ.get("KIT_PREBUILT_IMAGE")
+    if not ready:
+        return
+    deadline = time.monotonic() + 1800
+    while not Path(ready).is_file() and time.monotonic() < deadline:
+        assert not (status and Path(status).is_file()), (
+            f"the Docker engine or the base image could not be made (exit "
+            f"{Path(status).read_text().strip()}): see .nox/docker-setup.log")
+        time.sleep(1)
+    assert Path(ready).is_file(), "the Docker engine was not ready after 30 minutes"
+
+
 @pytest.fixture(scope="session")
 def docker_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A reachable engine: DOCKER_HOST's, else a private dockerd started for the tests."""
     from validate import containers
 
+    _wait_for_ci_docker()
     host = os.environ.get("DOCKER_HOST")
     if host:
         try:
@@ -311,16 +328,19 @@ def _needs_image(items: list[pytest.Item]) -> bool:
 def _prebuild(request: pytest.FixtureRequest,
               tmp_path_factory: pytest.TempPathFactory) -> _Prebuild | None:
     """Starts the CPU image's build at the session's start when a selected test needs it."""
-    if not _needs_image(request.session.items):
-        return None
+    if not _needs_image(request.session.items) or os.environ.get("KIT_PREBUILT_IMAGE"):
+        return None  # CI: `.ci/run` builds it beside the tests, cpu_image finds it
     base = request.getfixturevalue("base_image")
     return _Prebuild(base, tmp_path_factory.mktemp("cpu-image") / "build.log")
 
 
 @pytest.fixture(scope="session")
-def cpu_image(_prebuild: _Prebuild | None, base_image: str) -> str:
-    """The CPU image's tag, once its build (started at the session's start) is done."""
-    assert _prebuild is not None
+def cpu_image(_prebuild: _Prebuild | None, base_image: str,
+              tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The CPU image's tag, once its build (started at the session's start, or by `.ci/run`)
+    is done."""
+    if _prebuild is None:  # waits for .ci/run's build, then finds the image by its inputs
+        _prebuild = _Prebuild(base_image, tmp_path_factory.mktemp("cpu-image") / "build.log")
     _prebuild.thread.join(timeout=3600)
     log = _prebuild.log.read_text() if _prebuild.log.is_file() else ""
     assert _prebuild.tag and not _prebuild.error, (
@@ -328,25 +348,29 @@ def cpu_image(_prebuild: _Prebuild | None, base_image: str) -> str:
     return _prebuild.tag
 
 
-def _order(item: pytest.Item) -> tuple[int, bool, bool]:
+def _order(item: pytest.Item) -> tuple[int, bool]:
     """Where a test runs in the session (see pytest_collection_modifyitems)."""
     names = getattr(item, "fixturenames", ())
     e2e = item.get_closest_marker("e2e") is not None
     if any(job in names for job in JOBS):
-        return 3, False, False
-    if "base_image" in names:  # Docker: the image builds beside everything before
-        return 2, e2e, False
-    return (0, False, "pair" not in names) if e2e else (1, False, False)
+        return 3, False
+    if "docker_host" in names:  # Docker: the image builds beside everything before
+        return 2, e2e
+    if e2e:
+        return 1, "pair" not in names
+    return 0, False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The CI tier leaves out the full tier's cases (deselected, not skipped: CI fails on a skip).
-    Order, for CI's 30 minutes on 2 cores: the engine tests that need the tiny pair first (they
-    wait while it is generated: its training uses both cores, and tests beside it doubled its
-    time, 315 s alone and 635 s beside them on the AVX2 EPYC), then the other engine tests, the
-    tests without an engine and the Docker tests (their CPU image builds beside everything
-    before, in `.ci/run` or in _prebuild), all beside the suite-wide runs (_background) that
-    start once the pair is there; the tests that read those runs last."""
+    Order, for CI's 30 minutes on 2 cores: the tests without an engine first, while the tiny pair
+    is generated beside them (single-threaded, most of them waiting on a subprocess or a socket,
+    they leave the pair most of the CPU); then the engine tests, those that need the pair first,
+    beside the suite-wide runs (_background) that start once the pair is there; the Docker tests
+    (their CPU image builds beside everything before, in `.ci/run` or in _prebuild); the tests
+    that read the suite-wide runs last. What runs while the pair trains is work the tests would
+    otherwise do alone once the suite-wide runs have ended: 3 of the last 7 minutes of a run on
+    the AVX2 EPYC had one core idle."""
     if TIER != "full":
         full = [item for item in items if item.get_closest_marker("full")]
         if full:
