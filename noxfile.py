@@ -34,28 +34,30 @@ CPU_TORCH = ("--no-deps", "-r", "requirements/torch-cpu.txt")
 UNUSABLE = ("torchvision", "torchaudio", "torchcodec")
 
 
-def pip_config_for_uv() -> list[str]:
-    """pip's own index settings (index-url, extra-index-url, find-links, constraint: pip.conf and
-    PIP_* variables) as uv options. uv reads neither pip.conf nor PIP_*, and a machine whose
-    packages come from a local index or wheel folder (CI's) says so to pip only. Written by hand:
-    no library translates one installer's configuration into the other's."""
+def pip_config_for_uv() -> tuple[list[str], dict[str, str]]:
+    """pip's own index settings (index-url, extra-index-url, find-links, constraint, cert: pip.conf
+    and PIP_* variables) as uv options and environment. uv reads neither pip.conf nor PIP_*, and a
+    machine whose packages come from a local index, a wheel folder or a proxy with its own CA
+    (CI's) says so to pip only. Written by hand: no library translates one installer's
+    configuration into the other's."""
     out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
                          text=True, check=False).stdout
     values: dict[str, list[str]] = {}
     for line in out.splitlines():  # `global.find-links='/opt/wheels'`, `:env:.constraint='...'`
         key, sep, value = line.partition("=")
         name = key.rsplit(".", 1)[-1]
-        if sep and name in ("index-url", "extra-index-url", "find-links", "constraint"):
+        if sep and name in ("index-url", "extra-index-url", "find-links", "constraint", "cert"):
             for v in value.strip("'\"").split():
                 if v not in values.setdefault(name, []):
                     values[name].append(v)
     # pip takes each package's best version from all indexes at once; uv's default stops at the
     # first index that has the package
     args = ["--index-strategy", "unsafe-best-match"]
+    env = {"SSL_CERT_FILE": values.pop("cert")[-1]} if values.get("cert") else {}
     for name, vs in values.items():
         for v in vs:
             args += [f"--{name}", v]
-    return args
+    return args, env
 
 
 def engine_python(session: nox.Session) -> str:
@@ -83,10 +85,15 @@ def engine_python(session: nox.Session) -> str:
     # machines, nothing compiled on import is kept and each vLLM process would compile its few
     # thousand modules again). pip took 2 minutes on the AVX-512 EPYC for what uv does in 30 s.
     uv = (str(ENGINE_VENV / "bin" / "uv"), "pip")
-    session.run_install(*uv, "install", "-q", "--python", python, "--compile-bytecode",
-                        *pip_config_for_uv(), "-r", "requirements/cpu-engine.txt",
-                        "-e", ".[engine,test]")
-    session.run_install(*uv, "uninstall", "-q", "--python", python, *UNUSABLE)
+    args, env = pip_config_for_uv()
+    rest = ("-r", "requirements/cpu-engine.txt", "-e", ".[engine,test]")
+    try:
+        session.run_install(*uv, "install", "-q", "--python", python, "--compile-bytecode",
+                            *args, *rest, env=env)
+    except nox.command.CommandFailed:  # what pip can reach and uv cannot: pip's slower way
+        session.warn("uv could not install the engine environment (above); pip does it instead")
+        session.run_install(*pip, *rest)
+    session.run_install(python, "-m", "pip", "uninstall", "-q", "-y", *UNUSABLE)
     stamp_file.write_text(stamp)
     return python
 
