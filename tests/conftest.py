@@ -17,6 +17,14 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, TIER, WALKTHROUGH_RUN, image_args, registry_base, runnable_blocks, stop
 
+# The suite runs the tiny pair's training, engines and tests side by side on CI's 2 cores, where
+# OpenMP's default (torch's libgomp) keeps a waiting thread spinning on its core, taken from the
+# process beside it: a TP=1 rehearsal beside one busy process took 58.7 s (25.7 s with PASSIVE:
+# a waiting thread sleeps), alone 26.2 s (23.3 s), the same outputs and counters each time. Set
+# before anything here imports torch; every process the suite starts inherits it (a user's own
+# setting wins; the containers' environment is the image's own).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 FIXTURE_MODELS = Path(__file__).parent / "data" / "fixture-models"
 
 

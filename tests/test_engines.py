@@ -12,7 +12,7 @@ import os
 import pytest
 
 from validate import profiles
-from validate.e2e import engines
+from validate.e2e import engines, serving
 
 FLAG = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -48,3 +48,20 @@ def test_a_users_own_setting_is_kept(environ: dict[str, str]) -> None:
     one = profiles.get("tiny").with_overrides(tensor_parallel_size=1)
     assert FLAG not in engines.prepare_process_env(one) and environ[FLAG] == "1"
 
+
+
+def test_a_cpu_engine_holds_the_same_kv_tokens_at_every_tp(environ: dict[str, str]) -> None:
+    """1 GiB over the ranks: the walkthrough's TP=8 allocated 8 GiB (12 s of each engine start
+    on 2 cores) where TP=1's 1 GiB holds every prompt at full length; GPUs size their own."""
+    tiny = profiles.get("tiny")
+    per_rank = {tp: serving.cpu_kv_cache_bytes(tiny.with_overrides(tensor_parallel_size=tp))
+                for tp in (1, 2, 8)}
+    assert per_rank == {1: 1 << 30, 2: 1 << 29, 8: 1 << 27}, per_rank
+    two_stages = profiles.get("tiny-2node")
+    assert serving.cpu_kv_cache_bytes(two_stages) == (1 << 30) // (
+        two_stages.tensor_parallel_size * two_stages.pipeline_parallel_size)
+    assert serving.cpu_kv_cache_bytes(profiles.get("tiny-cuda")) is None
+    assert f"--kv-cache-memory-bytes={1 << 27}" in serving.server_args(tiny, "m", None), \
+        "the serving bench's servers hold what the offline engines hold"
+    environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
+    assert serving.cpu_kv_cache_bytes(tiny) is None, "a user's own setting is vLLM's to apply"

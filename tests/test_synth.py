@@ -98,3 +98,12 @@ def test_head_predicts_and_its_layer_matters(pair, target) -> None:
     assert trained["mean_acceptance_length"] >= 2.0, trained
     assert trained["mean_acceptance_length"] - bypass["mean_acceptance_length"] >= 0.3, (
         f"the head's layer adds too little: trained {trained}, layer bypassed {bypass}")
+
+
+def test_the_host_finds_the_pair_without_torch(pair) -> None:
+    """Runs look the pair up on the host side (``launch.cached_pair``) instead of asking the
+    generator in a process of its own; both must name this folder, or every run regenerates it."""
+    from validate import launch, synth
+
+    assert launch.cached_pair() == synth.default_cache_dir() == pair.root, (
+        "launch.cached_pair() must hash what synth.fingerprint() hashes")

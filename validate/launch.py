@@ -11,6 +11,7 @@ leaves a record that says which.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shlex
@@ -19,12 +20,13 @@ import subprocess
 import sys
 import uuid
 from datetime import UTC, datetime
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
 
-from validate import build, profiles, record, request, vllm_change
+from validate import build, files, profiles, record, request, vllm_change
 from validate.contract import (
     BadInput,
     BadRecord,
@@ -42,9 +44,33 @@ from validate.ui import console
 HEADS = {"trained": "generated:head", "random": "generated:random-head"}
 
 
+def cached_pair() -> Path | None:
+    """The tiny pair's folder if it is already generated here, else None; found without torch.
+
+    ``validate.synth`` names the folder by its fingerprint (``synth.fingerprint``: the pair's data
+    files, synth.py's own bytes and torch's version), but asking it means a process that imports
+    torch: about 1.6 CPU-seconds on the AVX-512 EPYC for each of the ~20 runs of a CI tier. This
+    recomputes the same hash from the same files and torch's installed version (its package
+    metadata), so a run whose pair is there starts no such process.
+    ``tests/test_synth.py`` checks that both name the same folder."""
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:  # a host without torch: the generator says
+        return None
+    h = hashlib.sha256()
+    for name in ("tiny_pair.toml", "prompts.toml"):
+        h.update(resources.files("validate.data").joinpath(name).read_bytes())
+    h.update(resources.files("validate").joinpath("synth.py").read_bytes())
+    h.update(torch_version.split("+")[0].encode())
+    folder = files.state_dir() / "tiny-pair" / h.hexdigest()[:16]
+    return folder if (folder / "pair.json").is_file() else None
+
+
 def generated_pair(fp8: str | None = None) -> Path:
     """Build (or reuse) the tiny pair in the engine environment, with FP8 target variant ``fp8``
     if asked (``validate.quantize``); returns the pair's folder."""
+    if not fp8 and (pair := cached_pair()):
+        return pair
     cmd = ["-m", "validate.quantize", "--variant", fp8] if fp8 else ["-m", "validate.synth"]
     proc = subprocess.run([sys.executable, *cmd], stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:

@@ -19,6 +19,7 @@ from typing import Any
 
 from validate import contract
 from validate import device_class as classes
+from validate.e2e.serving import cpu_kv_cache_bytes
 from validate.metrics import Output
 from validate.profiles import Profile
 
@@ -108,7 +109,6 @@ def prepare_process_env(profile: Profile, serving: bool = False) -> dict[str, st
             cores = len(os.sched_getaffinity(0))
             changes["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
                 profile.ranks_per_node, cores)
-        changes["VLLM_CPU_KVCACHE_SPACE"] = "1"
     changes = {k: v for k, v in changes.items() if k not in os.environ}
     os.environ.update(changes)
     return changes
@@ -192,6 +192,8 @@ def start_engine(profile: Profile, model: str, speculative: dict[str, Any] | Non
     )
     if speculative:
         kwargs["speculative_config"] = speculative
+    if kv_cache := cpu_kv_cache_bytes(profile):
+        kwargs["kv_cache_memory_bytes"] = kv_cache
     kwargs.update(beyond_one_node or {})
     if in_process(profile):  # vLLM's CPU platform keeps "mp" where multiprocessing is asked for
         kwargs["distributed_executor_backend"] = "uni"

@@ -40,6 +40,7 @@ import pytest
 
 from validate import compat, contract, goldens, metrics, profiles, prompts
 from validate.e2e import engines
+from validate.e2e.serving import cpu_kv_cache_bytes
 from validate.record import RunRecord
 
 
@@ -165,7 +166,8 @@ def test_llama4_eagle_tp8(profile_name: str, request: pytest.FixtureRequest) -> 
                 raise IncompatibleModel("; ".join(problems))
             env = {**engines.environment(profile.device),
                    "vllm": engines.require_vllm(profile.device, profile.device_note),
-                   "env_set": engines.prepare_process_env(profile, serving)}
+                   "env_set": engines.prepare_process_env(profile, serving),
+                   "cpu_kv_cache_bytes": cpu_kv_cache_bytes(profile)}
             rec.update(environment=env)
             if profile.nodes > 1:  # every node checked before anything heavy
                 from validate.e2e import nodes
