@@ -64,7 +64,7 @@ def cpu_kv_cache_bytes(profile: Profile) -> int | None:
     layers (TP x PP), so that every TP holds the same number of tokens (its blocks, and so the
     scheduler's choices, are TP=1's). vLLM's CPU build otherwise takes VLLM_CPU_KVCACHE_SPACE in
     whole GiB per rank, which the kit used to set to 1: 8 GiB at TP=8, which took 2 cores 12 s to
-    allocate at each engine start (62 s -> 50 s) and most of the walkthrough's 15.6 GB of memory.
+    allocate at each engine start (62 s -> 50 s), and 8 GiB of memory an engine.
     None on GPUs, or where the user set VLLM_CPU_KVCACHE_SPACE (vLLM's own setting wins)."""
     if profile.device != "cpu" or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None
