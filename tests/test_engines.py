@@ -49,10 +49,10 @@ def test_a_users_own_setting_is_kept(environ: dict[str, str]) -> None:
     assert FLAG not in engines.prepare_process_env(one) and environ[FLAG] == "1"
 
 
-
 def test_a_cpu_engine_holds_the_same_kv_tokens_at_every_tp(environ: dict[str, str]) -> None:
     """1 GiB over the ranks: the walkthrough's TP=8 allocated 8 GiB (12 s of each engine start
     on 2 cores) where TP=1's 1 GiB holds every prompt at full length; GPUs size their own."""
+    environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # this machine's own setting would win
     tiny = profiles.get("tiny")
     per_rank = {tp: serving.cpu_kv_cache_bytes(tiny.with_overrides(tensor_parallel_size=tp))
                 for tp in (1, 2, 8)}
