@@ -369,6 +369,20 @@ def _order(item: pytest.Item) -> tuple[int, bool]:
     return 0, False
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"pytest ended by signal {signal.Signals(signum).name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a cancelled CI job, `timeout`, `kill`) ends the suite as Ctrl-C does. The
+    suite-wide runs, Docker engines and registries run in sessions of their own (so that their
+    teardown can stop each whole group), where a signal to pytest's group does not reach them;
+    left to Python's default, SIGTERM ends pytest without its teardown and they run on, taking
+    the machine's cores. A handler someone else installed is kept."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The CI tier leaves out the full tier's cases (deselected, not skipped: CI fails on a skip).
     Order, for CI's 30 minutes on 2 cores: the tests without an engine first, while the tiny pair
