@@ -374,11 +374,12 @@ def _interrupted(signum: int, frame: object) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """SIGTERM (a cancelled CI job, `timeout`, `kill`) ends the suite as Ctrl-C does. The
-    suite-wide runs, Docker engines and registries run in sessions of their own (so that their
-    teardown can stop each whole group), where a signal to pytest's group does not reach them;
-    left to Python's default, SIGTERM ends pytest without its teardown and they run on, taking
-    the machine's cores. A handler someone else installed is kept."""
+    """SIGTERM (a cancelled CI job, `timeout`, `kill`) ends the suite as Ctrl-C does: through
+    the fixtures' teardown. The suite-wide runs run in sessions of their own (so that their
+    teardown can stop each whole group), where a signal to pytest's group does not reach them,
+    and the Docker engine and registry outlive a pytest that a signal to it alone ends; left to
+    Python's default, SIGTERM ends pytest without its teardown and they run on, taking the
+    machine's cores. A handler someone else installed is kept."""
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupted)
 
