@@ -51,8 +51,10 @@ def cached_pair() -> Path | None:
     files, synth.py's own bytes and torch's version), but asking it means a process that imports
     torch: about 1.6 CPU-seconds on the AVX-512 EPYC for each of the ~20 runs of a CI tier. This
     recomputes the same hash from the same files and torch's installed version (its package
-    metadata), so a run whose pair is there starts no such process.
-    ``tests/test_synth.py`` checks that both name the same folder."""
+    metadata), so a run whose pair is there starts no such process. It is written twice on
+    purpose: synth.py's own bytes are part of the fingerprint, which every golden pins as the
+    models' revision, so moving the hash out of synth.py would orphan every golden, the GPU ones
+    among them. ``tests/test_synth.py`` checks that both name the same folder."""
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:  # a host without torch: the generator says
